@@ -1,0 +1,36 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pinned exactly: a looser spec pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0 numpy cloudpickle filelock pytest
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not slow"
+
+demo: install
+	OMP_NUM_THREADS=1 $(PY) examples/demo.py
+
+bench: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py
+
+lint: install
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check elastic tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

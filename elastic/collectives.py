@@ -1,0 +1,218 @@
+"""Collectives that never wait without bound.
+
+Each one is issued with async work on the current round's group and waited
+on in short slices that watch the driver's abort key. Any failure of
+torch.distributed surfaces as WorkersDepartedError, which the run loop turns
+into restore-and-rejoin. Outside elasticrun (size 1) they are identities.
+"""
+
+import io
+import pickle
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .exceptions import WorkersDepartedError
+
+
+class ReduceOp:
+    """Horovod-style op names mapped onto torch's."""
+
+    Average = "average"
+    Sum = "sum"
+    Min = "min"
+    Max = "max"
+    Product = "product"
+
+
+Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min,
+                                   ReduceOp.Max, ReduceOp.Product)
+
+_TORCH_OPS = {
+    ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SUM,
+    ReduceOp.Min: dist.ReduceOp.MIN, ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
+
+
+def _active_worker():
+    return runtime.ensure_joined()
+
+
+def _group_for(w, tensor):
+    return w.device_group if tensor.is_cuda else w.cpu_group
+
+
+def wait(work, what="collective", worker=None):
+    """Wait for ``work`` in slices; abandon it if the round is aborted."""
+    w = worker or runtime.worker()
+    error, waited = [], []
+    if not work.is_completed():
+        done = threading.Event()
+        try:
+            work.get_future().add_done_callback(lambda _fut: done.set())
+        except RuntimeError:
+            # Point-to-point work has no future: a helper thread blocks for us.
+            def block():
+                try:
+                    work.wait()
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                    error.append(exc)
+                waited.append(True)
+                done.set()
+            threading.Thread(target=block, daemon=True, name="elastic-wait").start()
+        deadline = time.monotonic() + (w.collective_timeout if w else 600)
+        while not done.wait(runtime.WAIT_SLICE_S):
+            if w is not None and w.round_aborted():
+                raise WorkersDepartedError(f"{what} abandoned: round {w.round_id} was aborted")
+            if time.monotonic() > deadline:
+                raise WorkersDepartedError(f"{what} timed out")
+    try:
+        if error:
+            raise error[0]
+        if not waited:
+            work.wait()
+    except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
+        raise WorkersDepartedError(f"{what} failed: {exc}") from exc
+
+
+def _issue(fn, what):
+    try:
+        return fn()
+    except WorkersDepartedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise WorkersDepartedError(f"{what} failed: {exc}") from exc
+
+
+def allreduce_async(tensor, op=Average):
+    """Start an in-place allreduce; returns a handle for synchronize(), or None at size 1."""
+    w = _active_worker()
+    if w is None:
+        return None
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _TORCH_OPS[op]
+    work = _issue(lambda: _group_for(w, tensor).allreduce([tensor], opts), "allreduce")
+    return (work, tensor, op, w.membership.size, w)
+
+
+def synchronize(handle):
+    if handle is None:
+        return
+    work, tensor, op, world, w = handle
+    wait(work, "allreduce", w)
+    if op == Average:
+        tensor.div_(world)
+
+
+def allreduce_(tensor, op=Average):
+    synchronize(allreduce_async(tensor, op))
+    return tensor
+
+
+def allreduce(tensor, op=Average):
+    """Out-of-place allreduce, as in Horovod."""
+    return allreduce_(tensor.detach().clone(), op)
+
+
+def allgather(tensor):
+    """Concatenate every rank's tensor along dim 0 (first dims may differ)."""
+    w = _active_worker()
+    if w is None:
+        return tensor.detach().clone()
+    size = w.membership.size
+    lengths = torch.zeros(size, dtype=torch.int64)
+    lengths[w.membership.rank] = tensor.shape[0] if tensor.dim() else 1
+    allreduce_(lengths, Sum)
+    longest = int(lengths.max())
+    padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+    if tensor.dim():
+        padded[: tensor.shape[0]] = tensor
+    else:
+        padded = tensor.reshape(1).clone()
+    outputs = [torch.empty_like(padded) for _ in range(size)]
+    group = _group_for(w, tensor)
+    wait(_issue(lambda: group.allgather([outputs], [padded]), "allgather"), "allgather", w)
+    return torch.cat([out[: int(n)] for out, n in zip(outputs, lengths)])
+
+
+def broadcast_(tensor, root_rank=0):
+    w = _active_worker()
+    if w is None:
+        return tensor
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root_rank
+    opts.rootTensor = 0
+    group = _group_for(w, tensor)
+    wait(_issue(lambda: group.broadcast([tensor], opts), "broadcast"), "broadcast", w)
+    return tensor
+
+
+def broadcast(tensor, root_rank=0):
+    return broadcast_(tensor.detach().clone(), root_rank)
+
+
+def barrier():
+    allreduce_(torch.zeros(1), Sum)
+
+
+def _to_bytes(obj):
+    buf = io.BytesIO()
+    pickle.dump(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def broadcast_object(obj, root_rank=0):
+    """Pickle over the data plane, which, like torch.distributed's, is trusted."""
+    w = _active_worker()
+    if w is None:
+        return obj
+    is_root = w.membership.rank == root_rank
+    payload = _to_bytes(obj) if is_root else torch.empty(0, dtype=torch.uint8)
+    length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank)
+    if not is_root:
+        payload = torch.empty(int(length), dtype=torch.uint8)
+    broadcast_(payload, root_rank)
+    return obj if is_root else pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj):
+    gathered = allgather(_to_bytes(obj))
+    lengths = allgather(torch.tensor([_to_bytes(obj).numel()], dtype=torch.int64))
+    out, offset = [], 0
+    for n in lengths.tolist():
+        out.append(pickle.loads(gathered[offset: offset + n].numpy().tobytes()))
+        offset += n
+    return out
+
+
+def send(tensor, dst, tag=0):
+    w = _active_worker()
+    group = _group_for(w, tensor)
+    wait(_issue(lambda: group.send([tensor], dst, tag), "send"), "send", w)
+
+
+def recv(tensor, src, tag=0):
+    w = _active_worker()
+    group = _group_for(w, tensor)
+    wait(_issue(lambda: group.recv([tensor], src, tag), "recv"), "recv", w)
+    return tensor
+
+
+def broadcast_parameters(params, root_rank=0):
+    """Accepts a state_dict, named_parameters() or a list of (name, tensor)."""
+    items = params.items() if hasattr(params, "items") else params
+    for _name, tensor in sorted(items, key=lambda kv: kv[0]):
+        if torch.is_tensor(tensor):
+            with torch.no_grad():
+                broadcast_(tensor.data if hasattr(tensor, "data") else tensor, root_rank)
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Ship the root's state_dict; ranks without optimizer state get it created from it."""
+    state = broadcast_object(optimizer.state_dict(), root_rank)
+    if _active_worker() is not None and runtime.rank() != root_rank:
+        optimizer.load_state_dict(state)

@@ -1,0 +1,44 @@
+"""The @elastic.run decorator: the loop that survives membership changes."""
+
+import functools
+
+from . import runtime
+from .exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+
+
+def run(func):
+    """Wrap ``func(state, ...)`` so it resumes after failures and new rounds.
+
+    WorkersDepartedError: restore the last commit, then rejoin.
+    HostsUpdatedInterrupt: every rank is at the same commit; rejoin without restore.
+    A failure while rejoining or syncing is handled the same way, so it never
+    kills the worker or blacklists its host.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        worker = runtime.ensure_joined()
+        rejoin = False
+        while True:
+            try:
+                if rejoin:
+                    if worker is not None:
+                        worker.join_next_round()
+                    state.on_reset()
+                rejoin = True
+                state.sync()
+                result = func(state, *args, **kwargs)
+            except WorkersDepartedError as exc:
+                runtime._log(f"round {worker.round_id if worker else 0} failed ({exc}); "
+                             "restoring the last commit")
+                if worker is not None:
+                    worker.report_failure()
+                state.restore()
+                continue
+            except HostsUpdatedInterrupt:
+                continue
+            if worker is not None:
+                worker.report_done()
+            return result
+
+    return wrapper

@@ -1,0 +1,134 @@
+"""``elasticrun``: parse and check the command line, then run the job.
+
+Bad input ends with one line on stderr and exit code 2, never a traceback.
+"""
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+
+from .discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
+from .driver import JobConfig, run_job
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser():
+    p = _Parser(prog="elasticrun", description="Run an elastic PyTorch data-parallel job.")
+    p.add_argument("-np", "--num-proc", dest="np", type=int,
+                   help="start once this many slots are available")
+    p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                   help="fewest workers to train with (default: -np)")
+    p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                   help="most workers (default: no limit)")
+    p.add_argument("-H", "--hosts", dest="hosts", help="fixed host list host:slots,...")
+    p.add_argument("--host-discovery-script", dest="discovery_script",
+                   help="executable printing one host or host:slots per line")
+    p.add_argument("--slots-per-host", "--slots", dest="slots", type=int,
+                   help="slots for a discovered host given without :slots")
+    p.add_argument("--discovery-interval", type=float, default=1.0,
+                   help="seconds between discovery runs (default 1.0)")
+    p.add_argument("--discovery-timeout", type=float, default=30.0,
+                   help="longest a discovery run may take (default 30)")
+    p.add_argument("--elastic-timeout", type=float, default=600.0,
+                   help="longest wait for --min-np slots (default 600)")
+    p.add_argument("--reset-limit", type=int, help="most membership changes before failing")
+    p.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
+                   help="seconds before a blacklisted host may return")
+    p.add_argument("--worker-timeout", type=float, default=30.0,
+                   help="evict a worker silent for this many seconds (default 30)")
+    p.add_argument("--output-filename", dest="output_dir",
+                   help="directory for per-worker stdout/stderr files")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+    p.add_argument("--log-level", default=None,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument("command", nargs=argparse.REMAINDER, help="training command")
+    return p
+
+
+def _check_command(command):
+    if not command:
+        raise UsageError("no training command given")
+    exe = command[0]
+    if os.sep in exe:
+        if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise UsageError(f"training command {exe!r} does not exist or is not executable")
+    elif shutil.which(exe) is None:
+        raise UsageError(f"training command {exe!r} not found on PATH")
+
+
+def config_from_args(args):
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    _check_command(command)
+    if args.np is None and args.min_np is None:
+        raise UsageError("give -np (or --min-np)")
+    np = args.np if args.np is not None else args.min_np
+    min_np = args.min_np if args.min_np is not None else np
+    for name, value in (("-np", np), ("--min-np", min_np), ("--max-np", args.max_np)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be at least 1, got {value}")
+    if args.max_np is not None and min_np > args.max_np:
+        raise UsageError(f"--min-np {min_np} is larger than --max-np {args.max_np}")
+    if args.max_np is not None and np > args.max_np:
+        raise UsageError(f"-np {np} is larger than --max-np {args.max_np}")
+    if np < min_np:
+        raise UsageError(f"-np {np} is smaller than --min-np {min_np}")
+    for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        raise UsageError("--reset-limit must be 0 or more")
+    if args.slots is not None and args.slots < 1:
+        raise UsageError("--slots-per-host must be at least 1")
+    cooldown = None
+    if args.blacklist_cooldown_range:
+        lo, hi = args.blacklist_cooldown_range
+        if lo < 0 or hi < lo:
+            raise UsageError("--blacklist-cooldown-range needs 0 <= MIN <= MAX")
+        cooldown = (lo, hi)
+    if args.hosts and args.discovery_script:
+        raise UsageError("give either -H or --host-discovery-script, not both")
+    try:
+        if args.discovery_script:
+            discovery = ScriptDiscovery(args.discovery_script, args.slots, args.discovery_timeout)
+            discovery.validate()
+        else:
+            discovery = FixedDiscovery(parse_host_list(args.hosts or f"localhost:{np}"))
+    except DiscoveryError as exc:
+        raise UsageError(str(exc)) from None
+    if args.output_dir:
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--output-filename {args.output_dir!r}: {exc.strerror}") from None
+    return JobConfig(
+        command=command, discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
+        discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
+        worker_timeout=args.worker_timeout,
+    )
+
+
+def main(argv=None):
+    try:
+        args = build_parser().parse_args(argv)
+        config = config_from_args(args)
+    except UsageError as exc:
+        sys.stderr.write(f"elasticrun: error: {exc}\n")
+        return 2
+    level = "DEBUG" if args.verbose else (args.log_level or "INFO")
+    logging.basicConfig(level=level, format="elasticrun: %(message)s", stream=sys.stderr)
+    return run_job(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

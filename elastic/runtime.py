@@ -1,0 +1,311 @@
+"""The worker's side of the job: membership, rounds and process groups.
+
+A worker follows the driver's rounds. Each round gets a fresh process group
+under a round-scoped PrefixStore, so a worker from an older round can never
+reach a newer one (fencing by construction). Every wait here is sliced and
+watches the round's abort key, because a gloo peer blocked on another survivor
+does not notice a death until its own timeout (DESIGN §6).
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import control
+from .control import ControlStore, Keys
+from .exceptions import ElasticError, WorkersDepartedError
+
+WAIT_SLICE_S = 0.1
+
+
+def _env_float(name, default):
+    return float(os.environ.get(name, default))
+
+
+@dataclass(frozen=True)
+class Membership:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    hostname: str = ""
+
+
+def _log(msg):
+    sys.stderr.write(f"elastic[{os.environ.get(control.ENV_WORKER_ID, '-')}]: {msg}\n")
+    sys.stderr.flush()
+
+
+class _Heartbeat(threading.Thread):
+    """Bumps a counter on its own store connection; exits the process if the driver is gone.
+
+    A SIGSTOPped or deadlocked worker stops heartbeating too, which is how the
+    driver tells a hung worker from a slow one.
+    """
+
+    def __init__(self, worker, interval):
+        super().__init__(name="elastic-heartbeat", daemon=True)
+        self._worker = worker
+        self._interval = interval
+        self._stop = threading.Event()
+
+    def run(self):
+        failures = 0
+        conn = None
+        while not self._stop.is_set():
+            try:
+                if conn is None:
+                    conn = self._worker.new_control_connection(timeout=5)
+                conn.add(Keys.heartbeat(self._worker.worker_id), 1)
+                failures = 0
+            except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
+                failures += 1
+                conn = None
+                if failures >= 3 and not self._stop.is_set():
+                    _log("lost contact with elasticrun; exiting so no orphan is left behind")
+                    os._exit(1)
+            self._stop.wait(self._interval)
+
+    def stop(self):
+        self._stop.set()
+
+
+class Worker:
+    """One process of an elasticrun job."""
+
+    def __init__(self):
+        self.worker_id = os.environ[control.ENV_WORKER_ID]
+        self._addr = os.environ[control.ENV_ADDR]
+        self._port = int(os.environ[control.ENV_PORT])
+        self._secret = control.read_secret_from_env()
+        self.store_timeout = _env_float("ELASTIC_STORE_TIMEOUT", 60)
+        self.round_timeout = _env_float("ELASTIC_ROUND_TIMEOUT", 900)
+        self.collective_timeout = _env_float("ELASTIC_COLLECTIVE_TIMEOUT", 600)
+        self.control = self.new_control_connection()
+        self.round_id = 0
+        self.membership = None
+        self.ever_member = False
+        self.registered = False
+        self.cpu_group = None
+        self.device_group = None
+        self._abandoned = []
+        self._heartbeat = _Heartbeat(self, _env_float("ELASTIC_HEARTBEAT_INTERVAL", 1.0))
+        self._heartbeat.start()
+
+    def new_control_connection(self, timeout=None):
+        store = control.connect(self._addr, self._port, timeout or self.store_timeout)
+        return ControlStore(store, self._secret)
+
+    # -- rounds ---------------------------------------------------------------
+    def latest_round(self):
+        value = self.control.get(Keys.LATEST_ROUND)
+        return int(value["round"]) if value else 0
+
+    def new_round_pending(self):
+        return self.latest_round() > self.round_id
+
+    def round_aborted(self):
+        return self.round_id > 0 and self.control.has(Keys.abort(self.round_id))
+
+    def report_failure(self):
+        if self.round_id:
+            try:
+                self.control.add(Keys.failures(self.round_id), 1)
+            except Exception:  # noqa: BLE001 - the driver notices by other means
+                pass
+
+    def report_done(self):
+        self.control.put(Keys.done(self.worker_id), {"round": self.round_id})
+
+    def join_next_round(self):
+        """Leave the current round and block until a newer one including us forms."""
+        self._drop_groups()
+        if not self.registered:
+            self.control.put(Keys.ready(self.worker_id), {"pid": os.getpid()})
+            self.registered = True
+        deadline = time.monotonic() + self.round_timeout
+        seen = self.round_id
+        while True:
+            latest = self.latest_round()
+            if latest > seen:
+                seen = latest
+                if self._try_round(latest, deadline):
+                    return self.membership
+            elif time.monotonic() > deadline:
+                raise ElasticError(f"no new round within {self.round_timeout:.0f} s")
+            else:
+                time.sleep(0.02)
+
+    def _try_round(self, round_id, deadline):
+        plan = self.control.get(Keys.plan(round_id))
+        if plan is None:
+            return False
+        me = next((m for m in plan["members"] if m["worker_id"] == self.worker_id), None)
+        if me is None:
+            if self.ever_member:
+                self._leave(f"not a member of round {round_id}; leaving the job")
+            return False
+        size = len(plan["members"])
+        self.control.add(Keys.joined(round_id), 1)
+        while self.control.counter(Keys.joined(round_id)) < size:
+            if self.control.has(Keys.abort(round_id)):
+                return False
+            if time.monotonic() > deadline:
+                raise ElasticError(f"round {round_id} did not assemble in time")
+            time.sleep(0.005)
+        self.round_id = round_id
+        self.membership = Membership(
+            rank=me["rank"], size=size, local_rank=me["local_rank"], local_size=me["local_size"],
+            cross_rank=me["cross_rank"], cross_size=me["cross_size"], hostname=me["host"],
+        )
+        try:
+            self._build_groups(round_id)
+        except WorkersDepartedError:
+            self.report_failure()
+            self.membership = None
+            return False
+        if not self.ever_member:
+            _export_membership(self.membership)
+        self.ever_member = True
+        return True
+
+    def _build_groups(self, round_id):
+        """Create the round's groups off-thread so that an abort can interrupt the wait."""
+        m = self.membership
+        prefix = dist.PrefixStore(Keys.process_group(round_id), self.control.raw)
+        timeout = timedelta(seconds=self.collective_timeout)
+        result = {}
+
+        def build():
+            try:
+                result["cpu"] = dist.ProcessGroupGloo(
+                    dist.PrefixStore("gloo/", prefix), m.rank, m.size, timeout)
+                if _use_nccl():
+                    torch.cuda.set_device(m.local_rank % torch.cuda.device_count())
+                    result["device"] = dist.ProcessGroupNCCL(
+                        dist.PrefixStore("nccl/", prefix), m.rank, m.size)
+            except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
+                result["error"] = exc
+
+        builder = threading.Thread(target=build, name="elastic-group-build", daemon=True)
+        builder.start()
+        deadline = time.monotonic() + self.collective_timeout
+        while builder.is_alive():
+            builder.join(WAIT_SLICE_S)
+            if builder.is_alive() and (self.round_aborted() or time.monotonic() > deadline):
+                raise WorkersDepartedError(f"process group for round {round_id} did not form")
+        if "error" in result:
+            raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
+        self.cpu_group = result["cpu"]
+        self.device_group = result.get("device", self.cpu_group)
+
+    def _drop_groups(self):
+        """Abandon the old groups without draining them; keep references so
+        that in-flight gloo work never writes into freed memory."""
+        if self.cpu_group is not None:
+            self._abandoned.append((self.cpu_group, self.device_group))
+            del self._abandoned[:-4]
+        self.cpu_group = self.device_group = None
+        self.membership = None
+
+    def _leave(self, why):
+        _log(why)
+        self.stop()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def stop(self):
+        self._heartbeat.stop()
+
+
+def _export_membership(m):
+    """The ELASTIC_* variables hold the worker's first round (DESIGN §3)."""
+    for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
+        os.environ[f"ELASTIC_{name.upper()}"] = str(getattr(m, name))
+    os.environ["ELASTIC_HOSTNAME"] = m.hostname
+
+
+def _use_nccl():
+    backend = os.environ.get("ELASTIC_BACKEND", "auto")
+    return backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+
+
+# -- module-level API ----------------------------------------------------------
+_worker = None
+_initialized = False
+_STANDALONE = Membership()
+
+
+def init():
+    """Connect to elasticrun, or become a single worker of size 1 outside it."""
+    global _worker, _initialized
+    if _initialized:
+        return
+    if os.environ.get(control.ENV_ADDR):
+        _worker = Worker()
+        atexit.register(shutdown)
+    _initialized = True
+
+
+def is_initialized():
+    return _initialized
+
+
+def shutdown():
+    global _worker, _initialized
+    if _worker is not None:
+        _worker.stop()
+        _worker = None
+    _initialized = False
+
+
+def worker():
+    """The current Worker, or None when running standalone."""
+    init()
+    return _worker
+
+
+def ensure_joined():
+    w = worker()
+    if w is not None and w.membership is None:
+        w.join_next_round()
+    return w
+
+
+def membership():
+    w = ensure_joined()
+    return w.membership if w is not None else _STANDALONE
+
+
+def rank():
+    return membership().rank
+
+
+def size():
+    return membership().size
+
+
+def local_rank():
+    return membership().local_rank
+
+
+def local_size():
+    return membership().local_size
+
+
+def cross_rank():
+    return membership().cross_rank
+
+
+def cross_size():
+    return membership().cross_size

@@ -1,0 +1,192 @@
+"""Commit-able training state: commit, restore and sync across rounds.
+
+Every rank commits at the same step, so a commit counter identifies a commit
+across ranks. Sync compares counters first (newcomers count, with -1) and
+moves data only from the newest rank to the ranks that differ; when all agree
+nothing moves. Optimizer state is rebuilt from the sender's state_dict, never
+by a dummy step, so weight decay cannot nudge the weights.
+"""
+
+import copy
+
+import torch
+
+from . import collectives, runtime
+from .exceptions import HostsUpdatedInterrupt
+from .snapshot import Snapshot, flat_specs, pack, unpack
+
+_UNCOMMITTED = -1
+
+
+class State:
+    """Base class: subclasses say how to capture and apply their live state."""
+
+    def __init__(self):
+        self._reset_callbacks = []
+        self._snapshot = Snapshot()
+        self._version = _UNCOMMITTED
+        self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0}
+
+    # -- subclass hooks -----------------------------------------------------------
+    def capture(self):
+        """The live state as a tree of tensors and picklable values."""
+        raise NotImplementedError
+
+    def apply(self, tree):
+        """Load a tree produced by capture() into the live objects."""
+        raise NotImplementedError
+
+    def reset(self):
+        """Adapt the live objects to a new membership (samplers re-split)."""
+
+    # -- public API ---------------------------------------------------------------
+    def register_reset_callbacks(self, callbacks):
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    @property
+    def commit_version(self):
+        return self._version
+
+    def save(self):
+        self._snapshot.save(self.capture())
+
+    def commit(self):
+        """Snapshot to host memory, then learn collectively whether a round is pending."""
+        self.save()
+        self._version = max(self._version, 0) + 1
+        self.check_host_updates()
+
+    def restore(self):
+        if not self._snapshot.empty:
+            self.apply(self._snapshot.materialize())
+
+    def check_host_updates(self):
+        """One tiny collective, so every rank raises at the same commit."""
+        w = runtime.worker()
+        if w is None:
+            return
+        flag = torch.tensor([1 if w.new_round_pending() else 0], dtype=torch.int32)
+        collectives.allreduce_(flag, collectives.Max)
+        if int(flag) > 0:
+            raise HostsUpdatedInterrupt()
+
+    def sync(self):
+        """Bring every rank to the newest commit, moving bytes only where needed."""
+        w = runtime.worker()
+        self.sync_stats["syncs"] += 1
+        if w is None:
+            self._after_sync(max(self._version, 0))
+            return
+        versions = collectives.allgather(torch.tensor([self._version], dtype=torch.int64)).tolist()
+        newest = max(versions)
+        receivers = [r for r, v in enumerate(versions) if v != newest]
+        if newest == _UNCOMMITTED:
+            root, receivers = 0, list(range(1, len(versions)))
+        else:
+            root = versions.index(newest)
+        self.sync_stats["root"] = root
+        me = w.membership.rank
+        if receivers and me == root:
+            self._send(receivers)
+        elif me in receivers:
+            self._receive(root)
+        self._after_sync(max(newest, 0))
+
+    # -- internals ------------------------------------------------------------------
+    def _after_sync(self, version):
+        self._version = version
+        self.save()
+
+    def _send(self, receivers):
+        header, flats = pack(self.capture())
+        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        length = torch.tensor([header_t.numel()], dtype=torch.int64)
+        for dst in receivers:
+            collectives.send(length, dst)
+            collectives.send(header_t, dst)
+            for flat in flats:
+                if flat.numel():
+                    collectives.send(flat, dst)
+                    self.sync_stats["bytes_sent"] += flat.numel() * flat.element_size()
+
+    def _receive(self, root):
+        length = collectives.recv(torch.zeros(1, dtype=torch.int64), root)
+        header_t = collectives.recv(torch.empty(int(length), dtype=torch.uint8), root)
+        header = header_t.numpy().tobytes()
+        flats = []
+        for dtype, numel in flat_specs(header):
+            flat = torch.empty(numel, dtype=dtype)
+            if numel:
+                collectives.recv(flat, root)
+                self.sync_stats["bytes_received"] += flat.numel() * flat.element_size()
+            flats.append(flat)
+        self.apply(unpack(header, flats))
+
+
+class ObjectState(State):
+    """Plain picklable attributes (counters, epoch, best loss...)."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self._object_names = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def capture(self):
+        return {"objects": {name: getattr(self, name) for name in self._object_names}}
+
+    def apply(self, tree):
+        for name, value in tree["objects"].items():
+            setattr(self, name, copy.deepcopy(value))
+
+
+def _has_state_dict(obj):
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
+        obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
+class TorchState(ObjectState):
+    """A model, its optimizer, samplers and any picklable objects, as attributes.
+
+    Objects with state_dict/load_state_dict (ElasticSampler, lr schedulers) are
+    captured through them; everything else by value.
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        super().__init__(**kwargs)
+        self.model = model
+        self.optimizer = optimizer
+
+    def capture(self):
+        tree = {"objects": {}}
+        if self.model is not None:
+            tree["model"] = self.model.state_dict()
+        if self.optimizer is not None:
+            tree["optimizer"] = self.optimizer.state_dict()
+        for name in self._object_names:
+            obj = getattr(self, name)
+            tree["objects"][name] = ("state_dict", obj.state_dict()) if _has_state_dict(obj) \
+                else ("value", obj)
+        return tree
+
+    def apply(self, tree):
+        if self.model is not None and "model" in tree:
+            self.model.load_state_dict(tree["model"])
+        if self.optimizer is not None and "optimizer" in tree:
+            self.optimizer.load_state_dict(tree["optimizer"])
+        for name, (kind, value) in tree["objects"].items():
+            if kind == "state_dict":
+                getattr(self, name).load_state_dict(value)
+            else:
+                setattr(self, name, copy.deepcopy(value))
+
+    def reset(self):
+        for name in self._object_names:
+            obj = getattr(self, name)
+            if hasattr(obj, "reset") and _has_state_dict(obj):
+                obj.reset()

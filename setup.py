@@ -1,0 +1,12 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="elastic-train",
+    version="0.1.0",
+    description="Elastic data-parallel PyTorch training: workers join and leave while it runs",
+    packages=find_packages(include=["elastic", "elastic.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.3", "cloudpickle", "filelock"],
+    extras_require={"report": ["matplotlib"], "test": ["pytest"]},
+    entry_points={"console_scripts": ["elasticrun = elastic.runner.cli:main"]},
+)

@@ -1,0 +1,96 @@
+"""Plays elasticrun's part for multi-process tests: a store, one round, N workers.
+
+The test process hosts the control store and publishes round 1 with every
+worker in it, the way the driver does, so worker-side code can be tested on
+real gloo groups before (and independently of) the driver.
+"""
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elastic import control
+from elastic.control import ControlStore, Keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def publish_round(cs, round_id, worker_ids):
+    """Write a single-host plan for ``worker_ids`` (ranks in list order), then announce it."""
+    n = len(worker_ids)
+    members = [{"worker_id": wid, "host": "localhost", "rank": r, "local_rank": r,
+                "local_size": n, "cross_rank": 0, "cross_size": 1}
+               for r, wid in enumerate(worker_ids)]
+    cs.put(Keys.plan(round_id), {"round": round_id, "members": members})
+    cs.put(Keys.LATEST_ROUND, {"round": round_id})
+
+
+def run_workers(script_path, n, timeout=120, extra_env=None, args=()):
+    """Run ``n`` copies of ``script_path`` as the workers of round 1.
+
+    Returns one CompletedProcess per rank (stdout/stderr as text). If a worker
+    fails, the others get a short grace period and are then killed, so a
+    broken test does not wait out a collective timeout. Past ``timeout`` all
+    are killed; a killed worker reports a negative return code.
+    """
+    port, secret = free_port(), secrets.token_hex(16)
+    store = control.connect("127.0.0.1", port, timeout, is_master=True)
+    cs = ControlStore(store, secret)
+    publish_round(cs, 1, [f"w{r}" for r in range(n)])
+    env = dict(os.environ)
+    env.update({
+        control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(port), control.ENV_SECRET: secret,
+        "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+        "ELASTIC_COLLECTIVE_TIMEOUT": str(timeout),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    })
+    env.update(extra_env or {})
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(n):
+            out = open(os.path.join(tmp, f"{r}.out"), "w+")
+            err = open(os.path.join(tmp, f"{r}.err"), "w+")
+            logs.append((out, err))
+            cmd = [sys.executable, str(script_path), *map(str, args)]
+            procs.append(subprocess.Popen(cmd, env={**env, control.ENV_WORKER_ID: f"w{r}"},
+                                          stdout=out, stderr=err, cwd=str(REPO)))
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    deadline = min(deadline, time.monotonic() + 10)
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        results = []
+        for r, (p, (out, err)) in enumerate(zip(procs, logs)):
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+            out.close()
+            err.close()
+    del cs, store
+    return results
+
+
+def check_ok(results):
+    """Raise with every worker's output when any worker failed."""
+    if all(r.returncode == 0 for r in results):
+        return
+    report = "\n".join(f"--- rank {i} (exit {r.returncode})\n{r.stdout}\n{r.stderr}"
+                       for i, r in enumerate(results))
+    raise AssertionError(f"workers failed:\n{report}")

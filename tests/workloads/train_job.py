@@ -1,0 +1,149 @@
+"""Deterministic elastic training job used by the integration tests.
+
+Everything a test asserts comes from files in $JOB_OUT:
+  steps.<worker>.jsonl  one line per step: epoch, step, rank, size, host, round
+  final.<rank>.json     digests of parameters and optimizer state at the end
+  history.json          rank 0's committed history: (epoch, step, sample ids)
+Holds: with JOB_HOLD="6,12" every rank stops at those steps and keeps
+committing until the test creates $JOB_OUT/go.<step>, so a test can change
+membership at a known point without racing the training.
+Faults: JOB_FAULT="step:rank:mode" (mode exit|raise|kill|stop) fires once per job.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import elastic
+
+OUT = os.environ["JOB_OUT"]
+EPOCHS = int(os.environ.get("JOB_EPOCHS", "3"))
+BATCH = int(os.environ.get("JOB_BATCH", "4"))
+SAMPLES = int(os.environ.get("JOB_SAMPLES", "48"))
+COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "1"))
+HOLDS = {int(s) for s in os.environ.get("JOB_HOLD", "").split(",") if s}
+FAULT = os.environ.get("JOB_FAULT", "")
+WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_tensors(opt):
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key in sorted(opt.state.get(p, {})):
+                v = opt.state[p][key]
+                out.append(v if torch.is_tensor(v) else torch.tensor(float(v)))
+    return out
+
+
+def maybe_fault(step):
+    if not FAULT:
+        return
+    at, rank, mode = FAULT.split(":")
+    if int(at) != step or int(rank) != elastic.rank():
+        return
+    try:
+        fd = os.open(os.path.join(OUT, "fault.fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, WID.encode())
+        os.close(fd)
+    except FileExistsError:
+        return
+    if mode == "exit":
+        os._exit(3)
+    if mode == "raise":
+        raise RuntimeError("injected failure")
+    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+
+
+def hold(state, step):
+    """Keep committing until the test releases this step (all ranks agree)."""
+    while True:
+        state.commit()
+        go = torch.tensor([1 if os.path.exists(os.path.join(OUT, f"go.{step}")) else 0])
+        if int(elastic.broadcast(go, 0)):
+            return
+        time.sleep(0.05)
+
+
+def main():
+    elastic.init()
+    torch.manual_seed(0)
+    data = torch.randn(SAMPLES, 8)
+    target = data.sum(dim=1, keepdim=True)
+    torch.manual_seed(1234 + int(os.environ.get("ELASTIC_RANK", "0")) + hash(WID) % 97)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if hasattr(elastic, "DistributedOptimizer"):
+        dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    else:
+        class _Manual:
+            def zero_grad(self):
+                optimizer.zero_grad()
+
+            def step(self):
+                for p in model.parameters():
+                    elastic.allreduce_(p.grad)
+                optimizer.step()
+        dist_opt = _Manual()
+    sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
+    state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, history=[])
+    log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
+
+    @elastic.run
+    def train(state):
+        while state.epoch < EPOCHS:
+            state.sampler.set_epoch(state.epoch)
+            indices = list(state.sampler)
+            for start in range(0, len(indices), BATCH):
+                batch = indices[start:start + BATCH]
+                step = state.step + 1
+                maybe_fault(step)
+                dist_opt.zero_grad()
+                x = data[batch]
+                loss = torch.nn.functional.mse_loss(model(x), target[batch])
+                loss.backward()
+                dist_opt.step()
+                everyone = elastic.allgather_object(batch)
+                state.sampler.record_indices(batch)
+                state.step = step
+                state.history.append([state.epoch, step, sorted(i for b in everyone for i in b)])
+                w = elastic.runtime.worker()
+                log.write(json.dumps({
+                    "epoch": state.epoch, "step": step, "rank": elastic.rank(),
+                    "size": elastic.size(), "host": os.environ.get("ELASTIC_HOSTNAME", ""),
+                    "local_rank": elastic.local_rank(), "round": w.round_id if w else 0,
+                    "worker": WID}) + "\n")
+                if step in HOLDS:
+                    hold(state, step)
+                elif step % COMMIT_EVERY == 0:
+                    state.commit()
+            state.epoch += 1
+            state.commit()
+
+    train(state)
+    rank = elastic.rank()
+    with open(os.path.join(OUT, f"final.{rank}.json"), "w") as f:
+        json.dump({"params": digest(list(model.parameters())),
+                   "optimizer": digest(optimizer_tensors(optimizer)),
+                   "sampler": state.sampler.state_dict(), "size": elastic.size(),
+                   "step": state.step, "worker": WID}, f)
+    if rank == 0:
+        with open(os.path.join(OUT, "history.json"), "w") as f:
+            json.dump(state.history, f)
+    sys.stdout.write(f"worker {WID} finished as rank {rank} of {elastic.size()}\n")
+
+
+if __name__ == "__main__":
+    main()
