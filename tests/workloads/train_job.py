@@ -7,7 +7,7 @@ Everything a test asserts comes from files in $JOB_OUT:
 Holds: with JOB_HOLD="6,12" every rank stops at those steps and keeps
 committing until the test creates $JOB_OUT/go.<step>, so a test can change
 membership at a known point without racing the training.
-Faults: JOB_FAULT="step:rank:mode" (mode exit|raise|kill|stop) fires once per job.
+Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop), each fires once.
 """
 
 import hashlib
@@ -49,22 +49,23 @@ def optimizer_tensors(opt):
 
 
 def maybe_fault(step):
-    if not FAULT:
-        return
-    at, rank, mode = FAULT.split(":")
-    if int(at) != step or int(rank) != elastic.rank():
-        return
-    try:
-        fd = os.open(os.path.join(OUT, "fault.fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        os.write(fd, WID.encode())
-        os.close(fd)
-    except FileExistsError:
-        return
-    if mode == "exit":
-        os._exit(3)
-    if mode == "raise":
-        raise RuntimeError("injected failure")
-    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+    """Fire each fault of JOB_FAULT once per job (rank '*' fires on every rank)."""
+    for index, spec in enumerate(f for f in FAULT.split(";") if f):
+        at, rank, mode = spec.split(":")
+        if int(at) != step or (rank != "*" and int(rank) != elastic.rank()):
+            continue
+        marker = f"fault.{index}" + (f".{WID}" if rank == "*" else "")
+        try:
+            fd = os.open(os.path.join(OUT, marker), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, WID.encode())
+            os.close(fd)
+        except FileExistsError:
+            continue
+        if mode == "exit":
+            os._exit(3)
+        if mode == "raise":
+            raise RuntimeError("injected failure")
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
 
 def hold(state, step):

@@ -1,0 +1,133 @@
+"""Elastic jobs with real processes, real gloo groups and real signals.
+
+localhost and 127.0.0.1 act as two hosts. Every test checks ranks, sizes and
+hosts per round, bitwise-equal parameters and optimizer state on all ranks at
+the end, and that the committed history trains each sample exactly once.
+"""
+
+import time
+
+import pytest
+
+from jobs import Job, hosts_by_rank, sizes_in_order
+
+pytestmark = pytest.mark.slow
+
+
+def test_fixed_hosts_train_to_the_end(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:1,127.0.0.1:1"])
+    finals = job.assert_ok(job.run(), final_size=2)
+    records = job.steps()
+    assert sizes_in_order(records) == [2]
+    assert hosts_by_rank(records, 1) == {0: "localhost", 1: "127.0.0.1"}
+    assert finals[0]["step"] == 3 * 48 // 8
+
+
+def test_hosts_added(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "--max-np", "4"], hosts=["localhost:2"],
+              env={"JOB_HOLD": "3"}).start()
+    job.wait_step(3)
+    job.set_hosts(["localhost:2", "127.0.0.1:2"])
+    job.wait_step(4, size=4)
+    job.assert_ok(job.finish(), final_size=4)
+    records = job.steps()
+    assert sizes_in_order(records) == [2, 4]
+    grown = max(r["round"] for r in records)
+    assert hosts_by_rank(records, grown) == {0: "localhost", 1: "localhost",
+                                             2: "127.0.0.1", 3: "127.0.0.1"}
+
+
+def test_hosts_removed_gracefully(tmp_path):
+    job = Job(tmp_path, ["-np", "4", "--min-np", "2"], hosts=["localhost:2", "127.0.0.1:2"],
+              env={"JOB_HOLD": "3"}).start()
+    job.wait_step(3)
+    job.set_hosts(["127.0.0.1:2"])
+    job.wait_step(4, size=2)
+    job.assert_ok(job.finish(), final_size=2)
+    records = job.steps()
+    assert sizes_in_order(records) == [4, 2]
+    shrunk = max(r["round"] for r in records)
+    assert set(hosts_by_rank(records, shrunk).values()) == {"127.0.0.1"}
+    # Removed workers left cleanly: not a failure, so nothing was blacklisted.
+    assert "blacklisting" not in job.output()
+
+
+@pytest.mark.parametrize("fault,survivor_host", [
+    ("5:1:raise", "127.0.0.1"),     # an exception in one rank
+    ("5:2:kill", "localhost"),      # SIGKILL of a rank
+    ("5:0:kill", "127.0.0.1"),      # SIGKILL of rank 0
+])
+def test_a_failed_rank_blacklists_its_host_and_training_goes_on(tmp_path, fault, survivor_host):
+    job = Job(tmp_path, ["-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2"],
+              env={"JOB_FAULT": fault, "JOB_COMMIT_EVERY": "2"})
+    job.assert_ok(job.run(), final_size=2)
+    records = job.steps()
+    assert sizes_in_order(records)[0] == 4 and sizes_in_order(records)[-1] == 2
+    last = max(r["round"] for r in records)
+    assert set(hosts_by_rank(records, last).values()) == {survivor_host}
+    assert "blacklisting host" in job.output()
+
+
+def test_all_ranks_failing_fails_the_job(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"], env={"JOB_FAULT": "3:*:exit"})
+    code = job.run()
+    assert code != 0
+    errors = [line for line in job.output().splitlines() if line.startswith("elasticrun: error:")]
+    assert len(errors) == 1, job.output()
+    assert "Traceback" not in "\n".join(line for line in job.output().splitlines()
+                                        if not line.startswith("["))
+
+
+def test_one_rank_per_host_failing_blacklists_every_host(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+              env={"JOB_FAULT": "3:0:exit;6:0:exit"})
+    code = job.run()
+    assert code != 0
+    out = job.output()
+    assert out.count("blacklisting host") == 2, out
+    assert "elasticrun: error:" in out
+
+
+@pytest.mark.parametrize("limit,ok", [(1, False), (2, True)])
+def test_reset_limit(tmp_path, limit, ok):
+    job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", str(limit),
+                         "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
+              env={"JOB_FAULT": "3:2:exit;7:1:exit"})
+    code = job.run()
+    if ok:
+        job.assert_ok(code, final_size=1)
+        assert sizes_in_order(job.steps()) == [3, 2, 1]
+    else:
+        assert code != 0
+        assert "reset limit 1 reached" in job.output()
+
+
+def test_min_np_not_reached_at_start_fails_after_the_timeout(tmp_path):
+    job = Job(tmp_path, ["-np", "3", "--elastic-timeout", "3", "-H", "localhost:2"])
+    began = time.monotonic()
+    code = job.run()
+    elapsed = time.monotonic() - began
+    assert code != 0
+    assert "--elastic-timeout 3" in job.output()
+    assert elapsed < 60, elapsed    # generous: about the timeout, never a hang
+
+
+def test_min_np_lost_mid_job_fails_after_the_timeout(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "3",
+                         "-H", "localhost:1,127.0.0.1:1"], env={"JOB_FAULT": "3:1:kill"})
+    code = job.run()
+    assert code != 0
+    assert "to continue" in job.output(), job.output()
+
+
+def test_cooldown_brings_a_blacklisted_host_back(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "1", "2",
+                         "-H", "localhost:1,127.0.0.1:1"],
+              env={"JOB_FAULT": "3:1:exit", "JOB_HOLD": "5"}).start()
+    job.wait_step(5, size=1)
+    job.wait_for(lambda: sizes_in_order(job.steps())[-1:] == [2] and
+                 len(sizes_in_order(job.steps())) >= 3, "the host to come back")
+    job.release(5)
+    job.assert_ok(job.finish(), final_size=2)
+    assert sizes_in_order(job.steps())[:2] == [2, 1]
+    assert "back from the blacklist" in job.output()
