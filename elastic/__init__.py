@@ -6,6 +6,7 @@ from .collectives import (
     broadcast_parameters,
 )
 from .exceptions import ElasticError, HostsUpdatedInterrupt, WorkersDepartedError
+from .optimizer import Compression, DistributedOptimizer
 from .run_loop import run
 from .runtime import (
     cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown, size,
@@ -21,5 +22,5 @@ __all__ = [
     "broadcast_optimizer_state", "broadcast_parameters", "ElasticError", "HostsUpdatedInterrupt",
     "WorkersDepartedError", "run", "cross_rank", "cross_size", "init", "is_initialized",
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
-    "State", "TorchState",
+    "State", "TorchState", "Compression", "DistributedOptimizer",
 ]

@@ -105,7 +105,10 @@ def synchronize(handle):
     work, tensor, op, world, w = handle
     wait(work, "allreduce", w)
     if op == Average:
-        tensor.div_(world)
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(world)
+        else:
+            tensor.div_(world, rounding_mode="floor")
 
 
 def allreduce_(tensor, op=Average):

@@ -293,7 +293,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
             if not (all_ready or bucket.ready == len(bucket.params)):
-                self._buckets.append(self._buckets.pop(self._next)); continue
+                return
             self._launch(bucket)
             self._next += 1
 

@@ -212,8 +212,9 @@ class Worker:
         """Abandon the old groups without draining them; keep references so
         that in-flight gloo work never writes into freed memory."""
         if self.cpu_group is not None:
+            # Kept for the life of the process: freeing a group whose work is
+            # stuck on a dead peer would block in its destructor.
             self._abandoned.append((self.cpu_group, self.device_group))
-            del self._abandoned[:-4]
         self.cpu_group = self.device_group = None
         self.membership = None
 

@@ -86,18 +86,7 @@ def main():
     torch.manual_seed(1234 + int(os.environ.get("ELASTIC_RANK", "0")) + hash(WID) % 97)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    if hasattr(elastic, "DistributedOptimizer"):
-        dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    else:
-        class _Manual:
-            def zero_grad(self):
-                optimizer.zero_grad()
-
-            def step(self):
-                for p in model.parameters():
-                    elastic.allreduce_(p.grad)
-                optimizer.step()
-        dist_opt = _Manual()
+    dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, history=[])
     log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
