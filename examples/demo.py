@@ -27,7 +27,8 @@ def main():
 
     set_hosts("localhost:2")
     env = dict(os.environ, HOSTS_FILE=hosts_file, OMP_NUM_THREADS="1",
-               DEMO_STEP_SLEEP=os.environ.get("DEMO_STEP_SLEEP", "0.03"))
+               DEMO_STEP_SLEEP=os.environ.get("DEMO_STEP_SLEEP", "0.05"),
+               DEMO_EPOCHS=os.environ.get("DEMO_EPOCHS", "10"))
     cmd = [sys.executable, "-m", "elastic.runner", "-np", "2", "--min-np", "2", "--max-np", "4",
            "--host-discovery-script", os.path.join(HERE, "discovery", "hosts_file.sh"),
            "--discovery-interval", "0.5", sys.executable, os.path.join(HERE, "train_mlp.py")]

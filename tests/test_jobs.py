@@ -35,6 +35,7 @@ def test_hosts_added(tmp_path):
     grown = max(r["round"] for r in records)
     assert hosts_by_rank(records, grown) == {0: "localhost", 1: "localhost",
                                              2: "127.0.0.1", 3: "127.0.0.1"}
+    assert "restoring the last commit" not in job.output()
 
 
 def test_hosts_removed_gracefully(tmp_path):
@@ -48,8 +49,10 @@ def test_hosts_removed_gracefully(tmp_path):
     assert sizes_in_order(records) == [4, 2]
     shrunk = max(r["round"] for r in records)
     assert set(hosts_by_rank(records, shrunk).values()) == {"127.0.0.1"}
-    # Removed workers left cleanly: not a failure, so nothing was blacklisted.
+    # Removed workers left cleanly at a commit: no failure, no blacklisting, no restore.
     assert "blacklisting" not in job.output()
+    assert "restoring the last commit" not in job.output()
+    assert job.output().count("not a member of round") == 2
 
 
 @pytest.mark.parametrize("fault,survivor_host", [

@@ -272,9 +272,11 @@ class Driver:
             return
         wanted = self._wanted_slots(now)
         wanted_set = set(wanted)
+        admitted = {wid for ids in self.rounds.values() for wid in ids}
         for w in list(self.workers.values()):
-            is_member = any(m["worker_id"] == w.worker_id for m in self.members)
-            if (w.host, w.slot) not in wanted_set and not is_member and not w.stopped:
+            # Workers of a past round leave by themselves at their next commit.
+            if (w.host, w.slot) not in wanted_set and w.worker_id not in admitted \
+                    and not w.stopped:
                 self._stop(w)
         if self.round_id == 0 and len(wanted) < self.cfg.np and not self.workers:
             self._check_short(len(wanted), self.cfg.np, now, "to start")
