@@ -18,7 +18,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 60          # no case may take longer than this
-HANG_TIMEOUT_S = 10     # for cases known to hang today (xfail), to keep the file quick
+HANG_TIMEOUT_S = 6      # for cases known to hang today (xfail), to keep the file quick
 PREFIX = "elasticrun: error:"
 
 
@@ -173,7 +173,7 @@ def runs(tmp_path_factory):
     jobs.update(RUNTIME)
     # Slowest first, so the short usage errors fill in around them.
     order = sorted(jobs, key=lambda n: -jobs[n][1])
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
+    with ThreadPoolExecutor(max_workers=min(8, max(4, os.cpu_count() or 1))) as pool:
         futures = {n: pool.submit(_run, [a.replace("{d}", str(d)) for a in jobs[n][0]],
                                   jobs[n][1]) for n in order}
         return {n: f.result() for n, f in futures.items()}

@@ -5,6 +5,7 @@ hosts per round, bitwise-equal parameters and optimizer state on all ranks at
 the end, and that the committed history trains each sample exactly once.
 """
 
+import socket
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from jobs import Job, hosts_by_rank, sizes_in_order
 
 pytestmark = pytest.mark.slow
+THIRD_HOST = socket.gethostname()   # a third name for this machine: launched locally
 
 
 def test_fixed_hosts_train_to_the_end(tmp_path):
@@ -94,7 +96,7 @@ def test_one_rank_per_host_failing_blacklists_every_host(tmp_path):
 @pytest.mark.parametrize("limit,ok", [(1, False), (2, True)])
 def test_reset_limit(tmp_path, limit, ok):
     job = Job(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", str(limit),
-                         "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
+                         "-H", f"localhost:1,127.0.0.1:1,{THIRD_HOST}:1"],
               env={"JOB_FAULT": "3:2:exit;7:1:exit"})
     code = job.run()
     if ok:
