@@ -98,6 +98,9 @@ class Job:
     def finals(self):
         return [json.loads(p.read_text()) for p in sorted(self.out.glob("final.*.json"))]
 
+    def worker_envs(self):
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("env.*.json"))]
+
     def history(self):
         return json.loads((self.out / "history.json").read_text())
 

@@ -17,12 +17,43 @@ THIRD_HOST = socket.gethostname()   # a third name for this machine: launched lo
 
 
 def test_fixed_hosts_train_to_the_end(tmp_path):
-    job = Job(tmp_path, ["-np", "2", "-H", "localhost:1,127.0.0.1:1"])
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:1,127.0.0.1:1",
+                         "--output-filename", str(tmp_path / "logs")])
     finals = job.assert_ok(job.run(), final_size=2)
     records = job.steps()
     assert sizes_in_order(records) == [2]
     assert hosts_by_rank(records, 1) == {0: "localhost", 1: "127.0.0.1"}
     assert finals[0]["step"] == 3 * 48 // 8
+    # ELASTIC_* hold the first round's values; one file per worker under --output-filename.
+    for env in job.worker_envs():
+        assert env["joined"]["ELASTIC_RANK"] == str(env["rank"])
+        assert env["joined"]["ELASTIC_SIZE"] == "2"
+        assert env["joined"]["ELASTIC_HOSTNAME"] == hosts_by_rank(records, 1)[env["rank"]]
+    logs = sorted(p.parent.name for p in (tmp_path / "logs").glob("worker.*/stdout"))
+    assert logs == ["worker.0", "worker.1"]
+    assert "finished as rank" in (tmp_path / "logs" / "worker.0" / "stdout").read_text()
+
+
+def test_host_appearing_during_start_up_is_not_lost(tmp_path):
+    job = Job(tmp_path, ["-np", "1", "--max-np", "2"], hosts=["localhost:1"],
+              env={"JOB_HOLD": "2"}).start()
+    # The first worker is still importing torch: the new host must still get in.
+    job.set_hosts(["localhost:1", "127.0.0.1:1"])
+    job.wait_for(lambda: any(r["size"] == 2 for r in job.steps()), "both hosts training")
+    job.release(2)
+    job.assert_ok(job.finish(), final_size=2)
+
+
+def test_newcomer_dying_before_ready_does_not_disturb_training(tmp_path):
+    job = Job(tmp_path, ["-np", "1", "--max-np", "2"], hosts=["localhost:1"],
+              env={"JOB_HOLD": "3", "JOB_DIE_ON_HOST": "127.0.0.1"}).start()
+    job.wait_step(3)
+    job.set_hosts(["localhost:1", "127.0.0.1:1"])
+    job.wait_for(lambda: "blacklisting host 127.0.0.1" in job.output(), "the newcomer's failure")
+    job.release(3)
+    job.assert_ok(job.finish(), final_size=1)
+    assert sizes_in_order(job.steps()) == [1]
+    assert "restoring the last commit" not in job.output()
 
 
 def test_hosts_added(tmp_path):

@@ -79,7 +79,13 @@ def hold(state, step):
 
 
 def main():
+    if os.environ.get("ELASTIC_HOSTNAME") == os.environ.get("JOB_DIE_ON_HOST", "-"):
+        os._exit(5)   # a newcomer that dies before it is ready
     elastic.init()
+    first = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_") and "SECRET" not in k}
+    with open(os.path.join(OUT, f"env.{WID}.json"), "w") as f:
+        json.dump({"start": first, "rank": elastic.rank(), "size": elastic.size(),
+                   "joined": {k: os.environ[k] for k in first}}, f)
     torch.manual_seed(0)
     data = torch.randn(SAMPLES, 8)
     target = data.sum(dim=1, keepdim=True)
