@@ -4,9 +4,23 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install ssh-server test test-fast demo bench lint clean
 
-install: $(STAMP)
+install: $(STAMP) ssh-server
+
+# tests/test_remote.py runs a throwaway sshd on loopback. Install it when it is
+# missing and we are root on Debian/Ubuntu; otherwise those tests skip.
+ssh-server:
+	@if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing openssh-server for the ssh tests"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq openssh-server openssh-client >/dev/null) \
+	      || echo "warning: could not install openssh-server; the ssh tests will skip"; \
+	  else \
+	    echo "note: sshd not found; the ssh tests will skip"; \
+	  fi; \
+	fi
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)

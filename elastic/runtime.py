@@ -231,9 +231,10 @@ class Worker:
 
 def _export_membership(m):
     """The ELASTIC_* variables hold the worker's first round (DESIGN §3)."""
-    for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
-        os.environ[f"ELASTIC_{name.upper()}"] = str(getattr(m, name))
-    os.environ["ELASTIC_HOSTNAME"] = m.hostname
+    for prefix in ("ELASTIC", "HOROVOD"):   # HOROVOD_* for ported scripts
+        for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
+            os.environ[f"{prefix}_{name.upper()}"] = str(getattr(m, name))
+        os.environ[f"{prefix}_HOSTNAME"] = m.hostname
 
 
 def _use_nccl():

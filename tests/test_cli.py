@@ -105,17 +105,11 @@ BAD_INPUT = [
     # Known bugs (see the reasons); strict, so a fix turns them into failures to un-mark.
     _case("cooldown_range_infinite",
           ["-np", "1", "--blacklist-cooldown-range", "1", "inf", "true"],
-          ["--blacklist-cooldown-range"],
-          xfail="cli.py accepts a non-finite MAX; HostManager then raises ValueError "
-                "from Driver() and the user gets a traceback"),
+          ["--blacklist-cooldown-range"]),
     _case("elastic_timeout_nan",
           ["-np", "1", "--elastic-timeout", "nan", "--host-discovery-script", "{d}/empty.sh",
-           "true"], ["--elastic-timeout"], timeout=HANG_TIMEOUT_S,
-          xfail="cli.py's `<= 0` check lets NaN through; `now - since > nan` is never "
-                "true, so the job waits forever"),
-    _case("hosts_empty_string", ["-np", "1", "-H", "", "false"], ["no hosts"],
-          xfail="cli.py uses `args.hosts or 'localhost:N'`, so -H '' silently runs on "
-                "localhost instead of failing"),
+           "true"], ["--elastic-timeout"]),
+    _case("hosts_empty_string", ["-np", "1", "-H", "", "false"], ["no hosts"]),
 ]
 
 # Runs that start workers (checked by their own tests below).
@@ -230,10 +224,6 @@ def test_training_script_with_syntax_error(runs):
     assert not any("Traceback" in line for line in driver), driver
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a worker that exits 0 without ever calling elastic.init() is classified REMOVED "
-    "(exits.classify_exit: not ever_member) and driver._spawn_missing starts a "
-    "replacement for its slot, forever"))
 def test_script_without_elastic_init_does_not_respawn_forever(runs):
     r = runs["plain_script"]
     assert not r["timed_out"], (

@@ -84,3 +84,11 @@ def test_final_outcome_does_not_mutate_its_input():
     codes = {"0": 0, "1": 1}
     final_outcome(codes)
     assert codes == {"0": 0, "1": 1}
+
+
+def test_plain_script_that_never_joined_finishes():
+    kind = classify_exit(0, stopped_by_driver=False, in_current_round=False, reported_done=False,
+                         ever_member=False, never_joined=True)
+    assert kind is ExitKind.FINISHED
+    assert classify_exit(1, stopped_by_driver=False, in_current_round=False, reported_done=False,
+                         ever_member=False, never_joined=True) is ExitKind.FAILED

@@ -5,10 +5,12 @@ Bad input ends with one line on stderr and exit code 2, never a traceback.
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import sys
 
+from . import launcher
 from .discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
 from .driver import JobConfig, run_job
 
@@ -48,6 +50,26 @@ def build_parser():
                    help="evict a worker silent for this many seconds (default 30)")
     p.add_argument("--output-filename", dest="output_dir",
                    help="directory for per-worker stdout/stderr files")
+    p.add_argument("-p", "--ssh-port", type=int,
+                   help="ssh port of the hosts that are not local (default: ssh's own)")
+    p.add_argument("-i", "--ssh-identity-file",
+                   help="ssh private key for the hosts that are not local")
+    p.add_argument("--ssh-option", dest="ssh_options", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="extra 'ssh -o KEY=VALUE' (repeatable), e.g. "
+                        "UserKnownHostsFile=/path/known_hosts or StrictHostKeyChecking="
+                        "accept-new. Host keys are checked as your ssh config says; "
+                        "always set: BatchMode=yes ConnectTimeout=10 ServerAliveInterval=5 "
+                        "ServerAliveCountMax=3 (yours take precedence)")
+    p.add_argument("--remote-python", default="python3",
+                   help="python on the remote hosts that runs the bootstrap "
+                        "elastic/runner/remote.py from this same path (standard library "
+                        "only; the package must sit at the same path there, e.g. a shared "
+                        "filesystem). Default python3")
+    p.add_argument("--network-interface", metavar="IF",
+                   help="remote workers reach the driver's store at this interface's IPv4 "
+                        "address (default: the address this machine uses towards each "
+                        "host); workers get GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME=IF")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -76,15 +98,16 @@ def config_from_args(args):
     for name, value in (("-np", np), ("--min-np", min_np), ("--max-np", args.max_np)):
         if value is not None and value < 1:
             raise UsageError(f"{name} must be at least 1, got {value}")
-    if args.max_np is not None and min_np > args.max_np:
-        raise UsageError(f"--min-np {min_np} is larger than --max-np {args.max_np}")
     if args.max_np is not None and np > args.max_np:
         raise UsageError(f"-np {np} is larger than --max-np {args.max_np}")
+    if args.max_np is not None and min_np > args.max_np:
+        raise UsageError(f"--min-np {min_np} is larger than --max-np {args.max_np}")
     if np < min_np:
         raise UsageError(f"-np {np} is smaller than --min-np {min_np}")
     for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if args.reset_limit is not None and args.reset_limit < 0:
         raise UsageError("--reset-limit must be 0 or more")
     if args.slots is not None and args.slots < 1:
@@ -92,7 +115,7 @@ def config_from_args(args):
     cooldown = None
     if args.blacklist_cooldown_range:
         lo, hi = args.blacklist_cooldown_range
-        if lo < 0 or hi < lo:
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or hi < lo:
             raise UsageError("--blacklist-cooldown-range needs 0 <= MIN <= MAX")
         cooldown = (lo, hi)
     if args.hosts and args.discovery_script:
@@ -102,7 +125,8 @@ def config_from_args(args):
             discovery = ScriptDiscovery(args.discovery_script, args.slots, args.discovery_timeout)
             discovery.validate()
         else:
-            discovery = FixedDiscovery(parse_host_list(args.hosts or f"localhost:{np}"))
+            hosts = args.hosts if args.hosts is not None else f"localhost:{np}"
+            discovery = FixedDiscovery(parse_host_list(hosts))
     except DiscoveryError as exc:
         raise UsageError(str(exc)) from None
     if args.output_dir:
@@ -110,11 +134,28 @@ def config_from_args(args):
             os.makedirs(args.output_dir, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"--output-filename {args.output_dir!r}: {exc.strerror}") from None
+    try:
+        ssh_options = [launcher.check_ssh_option(o) for o in args.ssh_options]
+        if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+            raise ValueError(f"--ssh-port {args.ssh_port} is not a port number")
+        if args.ssh_identity_file and not os.path.isfile(
+                os.path.expanduser(args.ssh_identity_file)):
+            raise ValueError(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
+        if not args.remote_python.strip():
+            raise ValueError("--remote-python must not be empty")
+        if args.network_interface:
+            launcher.interface_ipv4(args.network_interface)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"--network-interface {exc}") from None
     return JobConfig(
         command=command, discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
         discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
-        worker_timeout=args.worker_timeout,
+        worker_timeout=args.worker_timeout, ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
+        remote_python=args.remote_python, network_interface=args.network_interface,
     )
 
 

@@ -54,6 +54,11 @@ class JobConfig:
     worker_timeout: float = 30.0
     heartbeat_interval: float = 1.0
     extra_env: dict = field(default_factory=dict)
+    ssh_port: int = None              # hosts that are not local are reached with ssh
+    ssh_identity_file: str = None
+    ssh_options: list = field(default_factory=list)   # "Key=Value" for ssh -o
+    remote_python: str = "python3"    # runs elastic/runner/remote.py on remote hosts
+    network_interface: str = None     # store address for remote workers; gloo/NCCL iface
 
 
 @dataclass
@@ -157,11 +162,17 @@ class Driver:
             done = self.control.get(Keys.done(wid))
             kind = classify_exit(code, stopped_by_driver=w.stopped, in_current_round=wid in current,
                                  reported_done=done is not None,
-                                 ever_member=any(wid in ids for ids in self.rounds.values()))
+                                 ever_member=any(wid in ids for ids in self.rounds.values()),
+                                 never_joined=not w.ready and self.round_id == 0)
             if self.final_round is not None and wid in self.rounds.get(self.final_round, ()):
                 self.final_codes[wid] = code
                 continue
-            if kind is ExitKind.FINISHED:
+            if kind is ExitKind.FINISHED and self.round_id == 0:
+                # A script that never called elastic.init(): the job is its processes.
+                self.rounds[0] = list(self.workers) + [wid]
+                self._start_finishing(0)
+                self.final_codes[wid] = code
+            elif kind is ExitKind.FINISHED:
                 self._start_finishing(done["round"] if done else self.round_id)
                 self.final_codes[wid] = code
             elif kind is ExitKind.FAILED:
@@ -345,12 +356,26 @@ class Driver:
         })
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
             env[f"ELASTIC_{name.upper()}"] = str(assignment[name])
-        if not launcher.is_local(host, self._local_names):
-            raise JobFailed(f"host {host} is not local and remote launch is not available")
+        iface = self.cfg.network_interface
+        if iface:
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
+        if launcher.is_local(host, self._local_names):
+            try:
+                return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
+            except OSError as exc:
+                raise JobFailed(f"cannot start {self.cfg.command[0]!r}: {exc.strerror}") from None
         try:
-            return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
+            # None: the address this machine uses towards the host, found per host.
+            store_addr = launcher.interface_ipv4(iface) if iface else None
         except OSError as exc:
-            raise JobFailed(f"cannot start {self.cfg.command[0]!r}: {exc.strerror}") from None
+            raise JobFailed(f"--network-interface {exc}") from None
+        ssh = launcher.SshSettings(self.cfg.ssh_port, self.cfg.ssh_identity_file,
+                                   list(self.cfg.ssh_options), self.cfg.remote_python)
+        try:
+            return launcher.start_ssh(wid, host, self.cfg.command, env, self.sink, ssh,
+                                      store_addr=store_addr)
+        except OSError as exc:
+            raise JobFailed(f"cannot run ssh to reach host {host}: {exc.strerror}") from None
 
     def _publish(self, members, now):
         if self.round_id:

@@ -10,15 +10,20 @@ class ExitKind(Enum):
     STOPPED = "stopped"        # killed by the driver on purpose (eviction, cleanup)
 
 
-def classify_exit(code, *, stopped_by_driver, in_current_round, reported_done, ever_member):
-    """Decide what one worker exit means."""
+def classify_exit(code, *, stopped_by_driver, in_current_round, reported_done, ever_member,
+                  never_joined=False):
+    """Decide what one worker exit means.
+
+    ``never_joined``: no round was ever formed and the worker never called
+    elastic.init(); a plain script that ran to its end.
+    """
     if stopped_by_driver:
         return ExitKind.STOPPED
     if code != 0:
         return ExitKind.FAILED
     if reported_done:
         return ExitKind.FINISHED
-    if in_current_round:
+    if in_current_round or never_joined:
         # A plain script (no @elastic.run) ends by exiting 0 in its round.
         return ExitKind.FINISHED
     if ever_member:

@@ -2,18 +2,37 @@
 
 Local hosts are plain subprocesses in their own session, so a whole worker
 process tree can be killed at once. On Linux they also get PDEATHSIG, so a
-SIGKILLed driver never leaves a local orphan; remote workers rely on their
-heartbeat noticing the lost store instead.
+SIGKILLed driver never leaves a local orphan.
+
+Other hosts are reached with ``ssh HOST exec PYTHON -I .../remote.py``; the
+worker's environment, secret included, travels as one JSON line on the ssh
+process's stdin, never on a command line (see remote.py). The ssh client gets
+PDEATHSIG too, and the remote side kills its worker when its stdin ends, so a
+dead driver, a killed ssh client or a dropped connection leaves no remote
+orphan. A host that cannot be reached makes ssh exit with 255, which the
+driver reports as an ssh failure of that host.
+
+"Local" means this machine by name: localhost, 127.0.0.1, ::1, the host name
+and the addresses of its interfaces. Other loopback addresses such as
+127.0.0.2 count as remote, so tests can run a real sshd on them.
 """
 
+import fcntl
+import functools
 import ipaddress
+import json
 import os
+import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
+
+from . import remote
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -26,22 +45,90 @@ def _die_with_parent(command):
     return list(command)
 
 
+_SIOCGIFADDR = 0x8915
+
+
+def interface_ipv4(name):
+    """The IPv4 address of network interface ``name``; OSError when it has none."""
+    if not name or len(name.encode()) > 15 or "/" in name:
+        raise OSError(f"{name!r} is not a network interface name")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+        except OSError as exc:
+            reason = ("no such interface" if exc.errno == 19 else "it has no IPv4 address"
+                      if exc.errno == 99 else exc.strerror)
+            raise OSError(f"{name}: {reason}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_addresses():
+    """Every address of this machine's interfaces (IPv4 by ioctl, IPv6 from /proc)."""
+    found = set()
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            found.add(interface_ipv4(name))
+        except OSError:
+            pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                hexaddr = line.split()[0] if line.split() else ""
+                if len(hexaddr) == 32:
+                    found.add(str(ipaddress.IPv6Address(bytes.fromhex(hexaddr))))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
 def local_names():
-    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    """Names and addresses that mean this machine."""
+    names = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback",
+             "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
     try:
         names.update(socket.gethostbyname_ex(socket.gethostname())[2])
     except OSError:
         pass
+    names.update(interface_addresses())
     return names
 
 
-def is_local(host, names=None):
+def _normal_ip(host):
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
+        return ipaddress.ip_address(host.strip("[]")).compressed
     except ValueError:
-        pass
-    return host in (names if names is not None else local_names())
+        return None
+
+
+def is_local(host, names=None):
+    """True for this machine's own names and addresses; 127.0.0.2 and the like
+    (other loopback addresses) are remote and go through ssh."""
+    names = names if names is not None else local_names()
+    if host in names:
+        return True
+    ip = _normal_ip(host)
+    return ip is not None and ip in {_normal_ip(n) for n in names}
+
+
+def source_address(host):
+    """The local address this machine uses to reach ``host`` (a UDP connect sends
+    nothing); None when the host does not resolve or has no route."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.connect(addr)
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return None
 
 
 class OutputSink:
@@ -52,22 +139,25 @@ class OutputSink:
         self._quiet = quiet
         self._lock = threading.Lock()
 
-    def attach(self, worker_id, stream, name):
+    def attach(self, worker_id, stream, name, on_line=None):
         files = None
         if self._dir:
             path = os.path.join(self._dir, f"worker.{worker_id}")
             os.makedirs(path, exist_ok=True)
             files = open(os.path.join(path, name), "ab", buffering=0)
-        thread = threading.Thread(target=self._pump, args=(worker_id, stream, name, files),
+        thread = threading.Thread(target=self._pump,
+                                  args=(worker_id, stream, name, files, on_line),
                                   daemon=True, name=f"output-{worker_id}-{name}")
         thread.start()
         return thread
 
-    def _pump(self, worker_id, stream, name, file):
+    def _pump(self, worker_id, stream, name, file, on_line=None):
         target = sys.stdout if name == "stdout" else sys.stderr
         prefix = f"[{worker_id}]<{name}>:"
         try:
             for raw in iter(stream.readline, b""):
+                if on_line is not None:
+                    on_line(raw)
                 if file is not None:
                     file.write(raw)
                 if not self._quiet:
@@ -112,3 +202,154 @@ def start_local(worker_id, host, command, env, sink):
     pumps = [sink.attach(worker_id, popen.stdout, "stdout"),
              sink.attach(worker_id, popen.stderr, "stderr")]
     return WorkerProcess(worker_id, host, popen, pumps)
+
+
+# -- remote hosts over ssh --------------------------------------------------------------
+
+SSH_DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10", "ServerAliveInterval=5",
+                       "ServerAliveCountMax=3")
+SSH_FAILED = 255                # what ssh exits with when it, not the command, failed
+REMOTE_SCRIPT = os.path.abspath(remote.__file__)
+
+# Per-login or per-host variables that must not follow the worker to another host.
+_NOT_FORWARDED = {"HOME", "HOSTNAME", "LOGNAME", "USER", "SHELL", "PWD", "OLDPWD", "SHLVL",
+                  "_", "TERM", "TERMCAP", "DISPLAY", "MAIL", "LS_COLORS", "STY", "WINDOW",
+                  "TMUX", "TMUX_PANE", "DBUS_SESSION_BUS_ADDRESS"}
+_NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_")
+
+
+@dataclass
+class SshSettings:
+    """How to reach hosts that are not local. Host keys are checked as the
+    user's ssh configuration says (known_hosts); nothing here turns that off."""
+
+    port: int = None
+    identity_file: str = None
+    options: list = field(default_factory=list)     # "Key=Value" strings for ssh -o
+    python: str = "python3"                          # runs remote.py on the host
+
+    def argv(self, host):
+        ssh = shutil.which("ssh") or "ssh"
+        args = [ssh, "-T"]
+        # ssh keeps the first value it gets for an option: the user's come first.
+        for option in list(self.options) + list(SSH_DEFAULT_OPTIONS):
+            args += ["-o", option]
+        if self.port is not None:
+            args += ["-p", str(self.port)]
+        if self.identity_file:
+            args += ["-i", self.identity_file]
+        remote_command = "exec " + shlex.join([self.python, "-I", REMOTE_SCRIPT])
+        return args + ["--", host.strip("[]"), remote_command]
+
+
+def check_ssh_option(option):
+    """``Key=Value`` for ``ssh -o``; ValueError(reason) otherwise."""
+    key, sep, value = option.partition("=")
+    if not sep or not key.isalnum() or not value.strip():
+        raise ValueError(f"--ssh-option {option!r} is not KEY=VALUE (e.g. "
+                         "UserKnownHostsFile=/path/known_hosts)")
+    return f"{key}={value}"
+
+
+def forwarded_env(env):
+    """The part of the driver-side worker environment that goes to a remote host."""
+    return {k: v for k, v in env.items()
+            if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
+
+
+def remote_spec(command, env, cwd):
+    """The JSON line remote.py reads: the secret moves out of env into its own field."""
+    env = forwarded_env(env)
+    secret = env.pop(remote.SECRET_ENV, "")
+    return (json.dumps({"command": list(command), "cwd": cwd, "env": env, "secret": secret},
+                       separators=(",", ":")) + "\n").encode()
+
+
+class SshExit(int):
+    """An ssh worker's exit code that says, when printed, what it means: 255 is
+    ssh's own failure (unreachable host, refused key, lost connection) and a
+    signal death is the ssh client's, since remote.py turns the worker's into
+    128 + N. Compares and computes as the plain int."""
+
+    def __new__(cls, code, meaning):
+        obj = super().__new__(cls, code)
+        obj.meaning = meaning
+        return obj
+
+    def __str__(self):
+        return f"{int(self)} ({self.meaning})"
+
+    def __format__(self, spec):
+        return str(self) if not spec else format(int(self), spec)
+
+    __repr__ = __str__
+
+
+class SshWorkerProcess(WorkerProcess):
+    """A worker on another host: ``popen`` is its ssh client."""
+
+    def __init__(self, worker_id, host, popen, pumps, tail):
+        super().__init__(worker_id, host, popen, pumps)
+        self._tail = tail
+        self._code = None
+
+    def poll(self):
+        if self._code is None:
+            code = self.popen.poll()
+            if code is None:
+                return None
+            self._code = self._describe(code)
+            try:
+                self.popen.stdin.close()
+            except (OSError, ValueError):
+                pass
+        return self._code
+
+    def _describe(self, code):
+        if code == SSH_FAILED:
+            self._pumps[-1].join(1.0)       # let stderr drain: ssh's own last words
+            last = self._tail[-1] if self._tail else ""
+            return SshExit(code, "ssh failure" + (f": {last}" if last else ""))
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return SshExit(code, f"ssh connection lost: the ssh client was killed by {name}")
+        return code
+
+
+def start_ssh(worker_id, host, command, env, sink, settings, store_addr=None):
+    """Start ``command`` on ``host`` through ssh. ``env`` is the full worker
+    environment (secret included); it is written to ssh's stdin, never argv.
+    ``store_addr`` None: workers reach the store at the address this machine
+    uses towards ``host``, worked out in the writer thread (DNS may be slow)."""
+    popen = subprocess.Popen(
+        _die_with_parent(settings.argv(host)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )
+    tail = []
+
+    def keep_tail(raw):
+        line = raw.decode("utf-8", "replace").strip()
+        if line:
+            tail[:] = [line[:300]]
+
+    pumps = [sink.attach(worker_id, popen.stdout, "stdout"),
+             sink.attach(worker_id, popen.stderr, "stderr", on_line=keep_tail)]
+    env = dict(env)
+    cwd = os.getcwd()
+
+    def send():
+        # Only now, off the driver's thread: the address may need a DNS lookup.
+        # If even that fails, remote.py falls back to sshd's SSH_CONNECTION.
+        env[remote.ADDR_ENV] = store_addr or source_address(host) or ""
+        try:
+            popen.stdin.write(remote_spec(command, env, cwd))
+            popen.stdin.flush()
+        except (OSError, ValueError):
+            pass        # ssh is gone already; its exit code tells why
+        # stdin stays open: its end is what tells the remote side we are gone.
+
+    threading.Thread(target=send, daemon=True, name=f"ssh-spec-{worker_id}").start()
+    return SshWorkerProcess(worker_id, host, popen, pumps, tail)

@@ -1,0 +1,296 @@
+"""Worker of the harness-run benchmarks (steady state, sync, model-size scan, growth).
+
+Usage: dp_worker.py MODE[,MODE...] [key=value ...]; writes $BENCH_OUT/result.<rank>.json.
+Modes:
+  steady  DistributedOptimizer vs torch DDP (its own init_process_group over its own
+          TCPStore), same model, data and world size, repeats interleaved; fp16 wire bytes
+  sync    newcomer sync (last rank fresh, version -1) vs a raw gloo broadcast of one
+          buffer of the same size; no-change sync bytes
+  scan    commit and newcomer sync vs model size (1M/10M/100M fp32 parameters)
+  growth  step, commit and newcomer sync time at this world size
+"""
+
+import gc
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import elastic  # noqa: E402
+import elastic.state as estate  # noqa: E402
+from elastic.state import TorchState  # noqa: E402
+
+OUT = os.environ["BENCH_OUT"]
+now = time.perf_counter
+
+
+def opts(argv):
+    return dict(a.split("=", 1) for a in argv)
+
+
+# -- steady state -------------------------------------------------------------------------
+def steady(res, o):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    reps, steps, batch = int(o.get("reps", 5)), int(o.get("steps", 4)), int(o.get("batch", 16))
+    rank, size = elastic.rank(), elastic.size()
+    store = dist.TCPStore("127.0.0.1", int(os.environ["BENCH_DDP_PORT"]), size, rank == 0,
+                          timeout=timedelta(seconds=120), use_libuv=True)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    for kind, build in (("mlp", common.mlp_10m), ("cnn", common.small_cnn)):
+        torch.manual_seed(0)
+        m_e, m_d, m_f = build(), build(), build()
+        m_d.load_state_dict(m_e.state_dict())
+        m_f.load_state_dict(m_e.state_dict())
+
+        def sgd(m):
+            return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        opt_e = elastic.DistributedOptimizer(sgd(m_e), named_parameters=m_e.named_parameters())
+        opt_f = elastic.DistributedOptimizer(sgd(m_f), named_parameters=m_f.named_parameters(),
+                                             compression=elastic.Compression.fp16)
+        ddp = DDP(m_d)
+        opt_d = sgd(ddp)
+        batches = [common.batch_for(kind, batch, 1000 * rank + i) for i in range(4)]
+
+        def runner(model, opt):
+            def run(n):
+                for i in range(n):
+                    x, y = batches[i % len(batches)]
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+            return run
+
+        sides = {"elastic": runner(m_e, opt_e), "ddp": runner(ddp, opt_d)}
+        fp16 = runner(m_f, opt_f)
+        fp16(1)
+        for run in sides.values():
+            run(3)  # warm-up: buckets, gloo connections, allocator
+        times = {k: [] for k in sides}
+        for rep in range(reps):
+            order = ["elastic", "ddp"] if rep % 2 == 0 else ["ddp", "elastic"]
+            for name in order:
+                dist.barrier()
+                t0 = now()
+                sides[name](steps)
+                times[name].append((now() - t0) / steps)
+        b0, f0 = opt_e.wire_bytes, opt_f.wire_bytes
+        sides["elastic"](2)
+        fp16(2)
+        res[kind] = {"params": common.n_params(m_e), "step_s": times,
+                     "wire_bytes_per_step": (opt_e.wire_bytes - b0) / 2,
+                     "wire_bytes_fp16_per_step": (opt_f.wire_bytes - f0) / 2,
+                     "buckets": opt_e.bucket_count}
+        del m_e, m_d, m_f, opt_e, opt_d, opt_f, ddp, sides, fp16
+        gc.collect()
+    dist.destroy_process_group()
+
+
+# -- sync ---------------------------------------------------------------------------------
+class Phases:
+    """Times the parts of a sync by wrapping functions the state module calls."""
+
+    def __init__(self):
+        self.t = {}
+        orig_pack = estate.pack
+
+        def pack(tree):
+            t0 = now()
+            try:
+                return orig_pack(tree)
+            finally:
+                self.add("pack", now() - t0)
+        estate.pack = pack
+
+    def add(self, key, dt):
+        self.t[key] = self.t.get(key, 0.0) + dt
+
+    def watch(self, state):
+        for name in ("apply", "save"):
+            orig = getattr(state, name)
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                t0 = now()
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    self.add(_name, now() - t0)
+            setattr(state, name, wrapped)
+        return state
+
+    def take(self):
+        t, self.t = self.t, {}
+        return t
+
+
+def one_step(model, opt, kind):
+    x, y = common.batch_for(kind, 8, 7)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def raw_broadcast_s(buf):
+    """A plain gloo broadcast on the round's group, root 0, timed where it is received."""
+    w = elastic.runtime.worker()
+    o = torch.distributed.BroadcastOptions()
+    o.rootRank, o.rootTensor = 0, 0
+    elastic.barrier()
+    t0 = now()
+    w.cpu_group.broadcast([buf], o).wait()
+    return now() - t0
+
+
+def newcomer_sync_s(state, make_fresh, phases):
+    """Last rank starts over (fresh objects, version -1) and syncs; root is rank 0."""
+    last = elastic.size() - 1
+    if elastic.rank() == last:
+        state = phases.watch(make_fresh())
+    gc.collect()
+    elastic.barrier()
+    phases.take()
+    t0 = now()
+    state.sync()
+    dt = now() - t0
+    return state, dt, phases.take()
+
+
+def sync(res, o):
+    reps = int(o.get("reps", 5))
+    phases = Phases()
+    rank, last = elastic.rank(), elastic.size() - 1
+
+    def fresh():
+        torch.manual_seed(100 + rank)
+        model = common.mlp_10m()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        return TorchState(model, opt, step=0)
+
+    state = fresh()
+    one_step(state.model, state.optimizer, "mlp")   # Adam state exists on every rank
+    state.commit()
+    nbytes = state._snapshot.nbytes()
+    buf = torch.full((nbytes // 4,), float(rank))
+    raw_broadcast_s(buf)                            # warm the path once
+    sync_s, bcast_s, parts = [], [], []
+    mine = state
+    for rep in range(reps):
+        if rep % 2:
+            bcast_s.append(raw_broadcast_s(buf))
+        mine, dt, ph = newcomer_sync_s(state, fresh, phases)
+        sync_s.append(dt)
+        parts.append(ph)
+        if rep % 2 == 0:
+            bcast_s.append(raw_broadcast_s(buf))
+    # Everyone now holds the same commit: a sync must move nothing.
+    before = dict(mine.sync_stats)
+    elastic.barrier()
+    t0 = now()
+    mine.sync()
+    noop_s = now() - t0
+    after = mine.sync_stats
+    moved = (after["bytes_sent"] - before["bytes_sent"]) + \
+        (after["bytes_received"] - before["bytes_received"])
+    commit_s = []
+    for _ in range(3):
+        elastic.barrier()
+        t0 = now()
+        mine.commit()
+        commit_s.append(now() - t0)
+    res["sync"] = {"bytes": nbytes, "sync_s": sync_s, "bcast_s": bcast_s, "phases": parts,
+                   "noop_moved_bytes": moved, "noop_sync_s": noop_s, "commit_s": commit_s,
+                   "stats": mine.sync_stats}
+
+
+def scan(res, o):
+    sizes = [int(s) for s in o.get("sizes", "1,10,100").split(":")]
+    phases = Phases()
+    rank = elastic.rank()
+    out = {}
+    for k in sizes:
+        reps = 1 if k >= 100 else 3
+
+        def fresh():
+            model = common.blocks(k)
+            return TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), step=0)
+        state = fresh()
+        state.commit()  # allocates the snapshot buffers
+        commit_s = []
+        for _ in range(reps + (1 if k >= 100 else 0)):
+            elastic.barrier()
+            t0 = now()
+            state.commit()
+            commit_s.append(now() - t0)
+        sync_s = []
+        for _ in range(reps):
+            mine, dt, _ph = newcomer_sync_s(state, fresh, phases)
+            sync_s.append(dt)
+            del mine
+        out[k] = {"bytes": state._snapshot.nbytes(), "commit_s": commit_s, "sync_s": sync_s}
+        del state
+        gc.collect()
+    res["scan"] = out
+
+
+def growth(res, o):
+    steps, reps = int(o.get("steps", 6)), int(o.get("reps", 3))
+    rank = elastic.rank()
+    phases = Phases()
+
+    def fresh():
+        torch.manual_seed(0)
+        model = common.mlp_1m()
+        opt = elastic.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                           named_parameters=model.named_parameters())
+        return TorchState(model, opt, step=0)
+    state = fresh()
+    x, y = common.batch_for("mlp1m", 32, rank)
+
+    def train(n):
+        for _ in range(n):
+            state.optimizer.zero_grad()
+            F.cross_entropy(state.model(x), y).backward()
+            state.optimizer.step()
+    train(2)
+    step_s = []
+    for _ in range(reps):
+        elastic.barrier()
+        t0 = now()
+        train(steps)
+        step_s.append((now() - t0) / steps)
+    state.commit()
+    commit_s = []
+    for _ in range(reps + 2):
+        elastic.barrier()
+        t0 = now()
+        state.commit()
+        commit_s.append(now() - t0)
+    sync_s = []
+    for _ in range(reps):
+        _mine, dt, _ph = newcomer_sync_s(state, fresh, phases)
+        sync_s.append(dt)
+    res["growth"] = {"size": elastic.size(), "bytes": state._snapshot.nbytes(), "step_s": step_s,
+                     "commit_s": commit_s, "sync_s": sync_s}
+
+
+def main():
+    modes, o = sys.argv[1].split(","), opts(sys.argv[2:])
+    elastic.init()
+    res = {"rank": elastic.rank(), "size": elastic.size()}
+    for mode in modes:
+        t0 = now()
+        {"steady": steady, "sync": sync, "scan": scan, "growth": growth}[mode](res, o)
+        res.setdefault("mode_s", {})[mode] = now() - t0
+        elastic.barrier()
+    common.write_json(os.path.join(OUT, f"result.{elastic.rank()}.json"), res)
+
+
+if __name__ == "__main__":
+    main()
