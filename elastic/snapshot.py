@@ -24,40 +24,33 @@ class _Ref:
         return (_Ref, (self.index,))
 
 
+def _map_leaves(node, leaf):
+    """Rebuild a tree of dicts, lists and plain tuples, mapping every other node with ``leaf``."""
+    if isinstance(node, dict):
+        return {k: _map_leaves(v, leaf) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_map_leaves(v, leaf) for v in node]
+    if isinstance(node, tuple) and not hasattr(node, "_fields"):
+        return tuple(_map_leaves(v, leaf) for v in node)
+    return leaf(node)
+
+
 def split(tree):
     """(skeleton, tensors): the tree with tensors replaced by _Ref, and the tensors."""
     tensors = []
 
-    def walk(node):
+    def leaf(node):
         if torch.is_tensor(node):
             tensors.append(node.detach())
             return _Ref(len(tensors) - 1)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple) and not hasattr(node, "_fields"):
-            return tuple(walk(v) for v in node)
         return copy.deepcopy(node)
 
-    return walk(tree), tensors
+    return _map_leaves(tree, leaf), tensors
 
 
 def join(skeleton, tensors):
     """Inverse of split."""
-
-    def walk(node):
-        if isinstance(node, _Ref):
-            return tensors[node.index]
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple) and not hasattr(node, "_fields"):
-            return tuple(walk(v) for v in node)
-        return node
-
-    return walk(skeleton)
+    return _map_leaves(skeleton, lambda n: tensors[n.index] if isinstance(n, _Ref) else n)
 
 
 class Snapshot:
