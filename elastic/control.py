@@ -71,8 +71,8 @@ class ControlStore:
         if not self.raw.check([key]):
             return None
         blob = bytes(self.raw.get(key))
-        mac, payload = blob[:_MAC_LEN].decode("ascii", "replace"), blob[_MAC_LEN:]
-        if not hmac.compare_digest(mac, self._mac(key, payload)):
+        mac, payload = blob[:_MAC_LEN], blob[_MAC_LEN:]
+        if not hmac.compare_digest(mac, self._mac(key, payload).encode()):
             raise ControlError(f"control key {key!r} failed authentication")
         return json.loads(payload)
 

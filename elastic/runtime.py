@@ -83,6 +83,11 @@ class Worker:
     """One process of an elasticrun job."""
 
     def __init__(self):
+        driver_pid = os.environ.get("ELASTIC_DRIVER_PID")
+        if driver_pid and os.getppid() != int(driver_pid):
+            # The driver died before the kernel could tie us to it (PDEATHSIG).
+            _log("elasticrun is gone; exiting")
+            os._exit(1)
         self.worker_id = os.environ[control.ENV_WORKER_ID]
         self._addr = os.environ[control.ENV_ADDR]
         self._port = int(os.environ[control.ENV_PORT])

@@ -295,4 +295,3 @@ def test_a_worker_of_an_older_round_is_fenced_out(tmp_path):
             if proc_state(w.proc.pid) == "T":
                 os.kill(w.proc.pid, signal.SIGCONT)
             w.kill()
-    del cs, store
