@@ -180,8 +180,8 @@ def sshd(tmp_path_factory):
     addrs = remote_loopback_addresses(3)
     if len(addrs) < 3:
         pytest.skip("no loopback addresses outside this machine's own names")
-    server = Sshd(tmp_path_factory.mktemp("sshd"), addrs[:2], addrs[2]).start()
+    server = Sshd(tmp_path_factory.mktemp("sshd"), addrs[:2], addrs[2])
     try:
-        yield server
+        yield server.start()
     finally:
         server.stop()

@@ -70,6 +70,9 @@ def build_parser():
                    help="remote workers reach the driver's store at this interface's IPv4 "
                         "address (default: the address this machine uses towards each "
                         "host); workers get GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME=IF")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="durable checkpoints for every worker's TorchState (sets "
+                        "ELASTIC_CHECKPOINT_DIR): rerunning the same command resumes there")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -156,6 +159,8 @@ def config_from_args(args):
         worker_timeout=args.worker_timeout, ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
+        extra_env={"ELASTIC_CHECKPOINT_DIR": os.path.abspath(args.checkpoint_dir)}
+        if args.checkpoint_dir else {},
     )
 
 

@@ -299,10 +299,14 @@ class Driver:
         starting = [w for w in self.workers.values() if not w.ready and not w.stopped
                     and now - w.started < JOIN_BATCH_S]
         if self.round_id == 0:
-            if starting or len(target) < self.cfg.min_np:
+            if len(wanted) < self.cfg.min_np:
+                self._check_short(len(wanted), self.cfg.min_np, now, "to start")
+            elif starting:
+                return   # slots exist; workers are importing torch, which is not a shortage
+            elif len(target) < self.cfg.min_np:
                 self._check_short(len(target), self.cfg.min_np, now, "to start")
-                return
-            self._publish(target, now)
+            else:
+                self._publish(target, now)
             return
         if self.need_round_since is None and same_membership(self.members, target):
             return
@@ -354,12 +358,15 @@ class Driver:
             "ELASTIC_ROUND_TIMEOUT": str(self.cfg.elastic_timeout + 120),
             "ELASTIC_HEARTBEAT_INTERVAL": str(self.cfg.heartbeat_interval),
         })
-        for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
-            env[f"ELASTIC_{name.upper()}"] = str(assignment[name])
+        for prefix in ("ELASTIC", "HOROVOD"):   # HOROVOD_* for scripts ported from Horovod
+            for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
+                env[f"{prefix}_{name.upper()}"] = str(assignment[name])
+        env["HOROVOD_HOSTNAME"] = host
         iface = self.cfg.network_interface
         if iface:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
         if launcher.is_local(host, self._local_names):
+            env["ELASTIC_DRIVER_PID"] = str(os.getpid())
             try:
                 return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
             except OSError as exc:

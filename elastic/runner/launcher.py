@@ -18,7 +18,6 @@ and the addresses of its interfaces. Other loopback addresses such as
 """
 
 import fcntl
-import functools
 import ipaddress
 import json
 import os
@@ -121,7 +120,8 @@ def source_address(host):
         infos = socket.getaddrinfo(host.strip("[]"), 9, type=socket.SOCK_DGRAM)
     except (OSError, UnicodeError):
         return None
-    for family, kind, proto, _, addr in infos:
+    # IPv4 first: the driver's store listens on 0.0.0.0.
+    for family, kind, proto, _, addr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
         try:
             with socket.socket(family, kind, proto) as s:
                 s.connect(addr)
@@ -269,7 +269,9 @@ class SshExit(int):
     """An ssh worker's exit code that says, when printed, what it means: 255 is
     ssh's own failure (unreachable host, refused key, lost connection) and a
     signal death is the ssh client's, since remote.py turns the worker's into
-    128 + N. Compares and computes as the plain int."""
+    128 + N. (A worker that itself exits 255 reads the same: ssh cannot tell
+    them apart.) Compares and computes as the plain int, so the driver's
+    "exited with code {code}" line carries the meaning without knowing ssh."""
 
     def __new__(cls, code, meaning):
         obj = super().__new__(cls, code)
@@ -281,8 +283,6 @@ class SshExit(int):
 
     def __format__(self, spec):
         return str(self) if not spec else format(int(self), spec)
-
-    __repr__ = __str__
 
 
 class SshWorkerProcess(WorkerProcess):
