@@ -135,7 +135,8 @@ def launch(script, n, args=(), timeout=240, env=None):
             procs.append((subprocess.Popen(
                 [sys.executable, str(script), *map(str, args)],
                 env={**full_env, control.ENV_WORKER_ID: f"b{r}"},
-                stdout=err, stderr=subprocess.STDOUT, cwd=str(REPO)), err))
+                stdout=None if os.environ.get("BENCH_SHOW") else err,
+                stderr=subprocess.STDOUT, cwd=str(REPO)), err))
         deadline = time.monotonic() + timeout
         try:
             while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:

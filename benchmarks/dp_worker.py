@@ -44,7 +44,10 @@ def steady(res, o):
     store = dist.TCPStore("127.0.0.1", int(os.environ["BENCH_DDP_PORT"]), size, rank == 0,
                           timeout=timedelta(seconds=120), use_libuv=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    kinds = o.get("kinds", "mlp:cnn").split(":")
     for kind, build in (("mlp", common.mlp_10m), ("cnn", common.small_cnn)):
+        if kind not in kinds:
+            continue
         torch.manual_seed(0)
         m_e, m_d, m_f = build(), build(), build()
         m_d.load_state_dict(m_e.state_dict())
@@ -74,7 +77,7 @@ def steady(res, o):
         for run in sides.values():
             run(3)  # warm-up: buckets, gloo connections, allocator
         times = {k: [] for k in sides}
-        for rep in range(reps):
+        for rep in range(int(o.get(f"reps_{kind}", reps))):
             order = ["elastic", "ddp"] if rep % 2 == 0 else ["ddp", "elastic"]
             for name in order:
                 dist.barrier()
@@ -137,13 +140,19 @@ def one_step(model, opt, kind):
     opt.step()
 
 
-def raw_broadcast_s(buf):
-    """A plain gloo broadcast on the round's group, root 0, timed where it is received."""
+def raw_broadcast_s(buf, fresh=False):
+    """A plain gloo broadcast on the round's group, root 0, timed where it is received.
+
+    fresh=True: non-roots receive into newly allocated memory (page faults included).
+    """
     w = elastic.runtime.worker()
     o = torch.distributed.BroadcastOptions()
     o.rootRank, o.rootTensor = 0, 0
+    gc.collect()
     elastic.barrier()
     t0 = now()
+    if fresh and elastic.rank() != 0:
+        buf = torch.empty_like(buf)
     w.cpu_group.broadcast([buf], o).wait()
     return now() - t0
 
@@ -165,7 +174,7 @@ def newcomer_sync_s(state, make_fresh, phases):
 def sync(res, o):
     reps = int(o.get("reps", 5))
     phases = Phases()
-    rank, last = elastic.rank(), elastic.size() - 1
+    rank = elastic.rank()
 
     def fresh():
         torch.manual_seed(100 + rank)
@@ -179,7 +188,7 @@ def sync(res, o):
     nbytes = state._snapshot.nbytes()
     buf = torch.full((nbytes // 4,), float(rank))
     raw_broadcast_s(buf)                            # warm the path once
-    sync_s, bcast_s, parts = [], [], []
+    sync_s, bcast_s, fresh_s, parts = [], [], [], []
     mine = state
     for rep in range(reps):
         if rep % 2:
@@ -189,6 +198,8 @@ def sync(res, o):
         parts.append(ph)
         if rep % 2 == 0:
             bcast_s.append(raw_broadcast_s(buf))
+        if rep < 3:
+            fresh_s.append(raw_broadcast_s(buf, fresh=True))
     # Everyone now holds the same commit: a sync must move nothing.
     before = dict(mine.sync_stats)
     elastic.barrier()
@@ -205,6 +216,7 @@ def sync(res, o):
         mine.commit()
         commit_s.append(now() - t0)
     res["sync"] = {"bytes": nbytes, "sync_s": sync_s, "bcast_s": bcast_s, "phases": parts,
+                   "bcast_fresh_s": fresh_s,
                    "noop_moved_bytes": moved, "noop_sync_s": noop_s, "commit_s": commit_s,
                    "stats": mine.sync_stats}
 
@@ -212,10 +224,9 @@ def sync(res, o):
 def scan(res, o):
     sizes = [int(s) for s in o.get("sizes", "1,10,100").split(":")]
     phases = Phases()
-    rank = elastic.rank()
     out = {}
     for k in sizes:
-        reps = 1 if k >= 100 else 3
+        reps = 2 if k >= 100 else 3
 
         def fresh():
             model = common.blocks(k)
@@ -223,7 +234,7 @@ def scan(res, o):
         state = fresh()
         state.commit()  # allocates the snapshot buffers
         commit_s = []
-        for _ in range(reps + (1 if k >= 100 else 0)):
+        for _ in range(reps):
             elastic.barrier()
             t0 = now()
             state.commit()

@@ -109,6 +109,11 @@ class Keys:
         return f"round/{round_id}/failures"
 
     @staticmethod
+    def pause(round_id):
+        """How long training stood still before this round resumed (rank 0 reports)."""
+        return f"round/{round_id}/pause"
+
+    @staticmethod
     def ready(worker_id):
         return f"worker/{worker_id}/ready"
 

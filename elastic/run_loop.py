@@ -1,6 +1,7 @@
 """The @elastic.run decorator: the loop that survives membership changes."""
 
 import functools
+import time
 
 from . import runtime
 from .exceptions import HostsUpdatedInterrupt, WorkersDepartedError
@@ -19,6 +20,7 @@ def run(func):
     def wrapper(state, *args, **kwargs):
         worker = runtime.ensure_joined()
         rejoin = False
+        paused_at = None
         while True:
             try:
                 if rejoin:
@@ -27,8 +29,12 @@ def run(func):
                     state.on_reset()
                 rejoin = True
                 state.sync()
+                if paused_at is not None and worker is not None:
+                    worker.report_pause(time.monotonic() - paused_at)
+                paused_at = None
                 result = func(state, *args, **kwargs)
             except WorkersDepartedError as exc:
+                paused_at = paused_at or time.monotonic()
                 runtime._log(f"round {worker.round_id if worker else 0} failed ({exc}); "
                              "restoring the last commit")
                 if worker is not None:
@@ -36,6 +42,7 @@ def run(func):
                 state.restore()
                 continue
             except HostsUpdatedInterrupt:
+                paused_at = paused_at or time.monotonic()
                 continue
             if worker is not None:
                 worker.report_done()

@@ -128,6 +128,14 @@ class Worker:
             except Exception:  # noqa: BLE001 - the driver notices by other means
                 pass
 
+    def report_pause(self, seconds):
+        if self.membership is not None and self.membership.rank == 0:
+            self.control.put(Keys.pause(self.round_id), {"seconds": round(seconds, 4)})
+
+    def report_progress(self, values):
+        self.control.put(Keys.progress(self.worker_id),
+                         dict(values, round=self.round_id, at=time.time()))
+
     def report_done(self):
         self.control.put(Keys.done(self.worker_id), {"round": self.round_id})
 

@@ -31,7 +31,9 @@ def main():
                DEMO_EPOCHS=os.environ.get("DEMO_EPOCHS", "10"))
     cmd = [sys.executable, "-m", "elastic.runner", "-np", "2", "--min-np", "2", "--max-np", "4",
            "--host-discovery-script", os.path.join(HERE, "discovery", "hosts_file.sh"),
-           "--discovery-interval", "0.5", sys.executable, os.path.join(HERE, "train_mlp.py")]
+           "--discovery-interval", "0.5",
+           "--event-log", os.environ.get("DEMO_EVENT_LOG", os.path.join(workdir, "events.jsonl")),
+           sys.executable, os.path.join(HERE, "train_mlp.py")]
     print("demo: " + " ".join(cmd[2:]), flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     rounds = []

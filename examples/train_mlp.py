@@ -23,20 +23,18 @@ def main():
     dataset = torch.utils.data.TensorDataset(features, labels)
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * elastic.size())
+    # Nothing here asks for rank() or size(): a newcomer joins the job only when
+    # it reaches train(), so the running workers never wait for its set-up.
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     optimizer = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=42)
     loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
 
-    def scale_lr():
-        for group in optimizer.param_groups:
-            group["lr"] = 1e-3 * elastic.size()
-
-    state.register_reset_callbacks([scale_lr])
-
     @elastic.run
     def train(state):
+        for group in optimizer.param_groups:   # runs again after every membership change
+            group["lr"] = 1e-3 * elastic.size()
         while state.epoch < EPOCHS:
             state.sampler.set_epoch(state.epoch)
             for batch_idx, (x, y) in enumerate(loader):
@@ -46,6 +44,7 @@ def main():
                 optimizer.step()
                 state.sampler.record_batch(batch_idx, loader.batch_size)
                 state.batch += 1
+                elastic.report_progress(step=state.batch, loss=loss.item())
                 time.sleep(STEP_SLEEP)
                 if state.batch % 5 == 0:
                     state.commit()

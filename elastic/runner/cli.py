@@ -73,6 +73,8 @@ def build_parser():
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="durable checkpoints for every worker's TorchState (sets "
                         "ELASTIC_CHECKPOINT_DIR): rerunning the same command resumes there")
+    p.add_argument("--event-log", help="append JSON-lines events (rounds, failures, pauses, "
+                   "progress) to this file; `python -m elastic.report FILE` draws them")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -152,11 +154,16 @@ def config_from_args(args):
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"--network-interface {exc}") from None
+    if args.event_log:
+        try:
+            open(args.event_log, "a").close()
+        except OSError as exc:
+            raise UsageError(f"--event-log {args.event_log!r}: {exc.strerror}") from None
     return JobConfig(
         command=command, discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
         discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
-        worker_timeout=args.worker_timeout, ssh_port=args.ssh_port,
+        worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
         extra_env={"ELASTIC_CHECKPOINT_DIR": os.path.abspath(args.checkpoint_dir)}

@@ -18,6 +18,7 @@ from .. import control
 from ..control import ControlStore, Keys
 from . import launcher
 from .discovery import BackgroundDiscovery, DiscoveryError
+from .events import EventLog, RoundReporter
 from .exits import ExitKind, classify_exit
 from .hosts import HostManager
 from .planner import Candidate, describe_change, plan_round, same_membership
@@ -51,6 +52,7 @@ class JobConfig:
     reset_limit: int = None
     cooldown_range: tuple = None
     output_dir: str = None
+    event_log: str = None
     worker_timeout: float = 30.0
     heartbeat_interval: float = 1.0
     extra_env: dict = field(default_factory=dict)
@@ -98,12 +100,14 @@ class Driver:
         self._discovery_error = None
         self._last_failure = None
         self._local_names = launcher.local_names()
+        self.events = EventLog(config.event_log)
 
     # -- entry point ----------------------------------------------------------------
     def run(self):
         store = control.connect("0.0.0.0", 0, 30, is_master=True)
         self.store_port = store.port
         self.control = ControlStore(store, self.secret)
+        self.reporter = RoundReporter(self.events, self.control)
         self._first_discovery()
         background = BackgroundDiscovery(self.cfg.discovery, self.cfg.discovery_interval)
         background.start()
@@ -119,9 +123,11 @@ class Driver:
                 self._check_heartbeats(now)
                 self._check_failure_reports(now)
                 self._reconcile(now)
+                self.reporter.poll(now)
                 time.sleep(TICK_S)
         finally:
             background.stop(timeout=1.0)
+            self.reporter.flush()
             self._stop_all()
 
     # -- discovery ------------------------------------------------------------------
@@ -149,6 +155,7 @@ class Driver:
                                                        ("changed", changes.changed)) if v))
         for host in self.hosts.returning(now):
             log.info("host %s is back from the blacklist", host)
+            self.events.emit("host_restored", host=host)
 
     # -- worker exits -----------------------------------------------------------------
     def _reap(self, now):
@@ -179,6 +186,7 @@ class Driver:
                 self._host_failed(w, f"worker {wid} on {w.host} exited with code {code}", now)
             elif kind is ExitKind.REMOVED:
                 log.debug("worker %s left (removed from the job)", wid)
+                self.events.emit("worker_removed", worker=wid, host=w.host)
 
     def _start_finishing(self, round_id):
         self.final_round = round_id
@@ -203,12 +211,15 @@ class Driver:
             wid, code = sorted(failed.items())[0]
             raise JobFailed(f"worker {wid} exited with code {code} at the end of training")
         log.info("job finished: %d workers exited 0", len(finals))
+        self.events.emit("job_finished", round=self.final_round, size=len(finals))
         return 0
 
     def _host_failed(self, w, why, now):
         """A failure blacklists the host and stops its other workers."""
         log.warning("%s; blacklisting host %s", why, w.host)
         self._last_failure = why
+        self.events.emit("worker_failed", worker=w.worker_id, host=w.host, reason=why)
+        self.events.emit("host_blacklisted", host=w.host)
         self.hosts.blacklist(w.host, now)
         dead = {w.worker_id}
         for other in list(self.workers.values()):
@@ -243,6 +254,7 @@ class Driver:
             if not w.ready and self.control.has(Keys.ready(w.worker_id)):
                 w.ready = True
                 log.debug("worker %s on %s is ready", w.worker_id, w.host)
+                self.events.emit("worker_ready", worker=w.worker_id, host=w.host)
 
     def _check_heartbeats(self, now):
         if now - self._last_heartbeat_check < HEARTBEAT_CHECK_S:
@@ -256,6 +268,7 @@ class Driver:
                 w.heartbeat, w.heartbeat_at = beat, now
             elif beat and now - w.heartbeat_at > self.cfg.worker_timeout:
                 self._stop(w)
+                self.events.emit("worker_evicted", worker=w.worker_id, host=w.host)
                 self._host_failed(w, f"worker {w.worker_id} on {w.host} sent no heartbeat for "
                                      f"{self.cfg.worker_timeout:.0f} s; evicted", now)
 
@@ -402,7 +415,7 @@ class Driver:
                 self.host_order.append(m["host"])
         self.host_order = [h for h in self.host_order if any(m["host"] == h for m in members)]
         change = describe_change(previous, members) if previous else "start"
-        log.info("round %d: %d workers (%s)", r, len(members), change)
+        self.reporter.round_started(r, members, change, now)
         self.need_round_since = None
         self.short_since = None
 
@@ -422,6 +435,7 @@ def run_job(config):
     try:
         return driver.run()
     except JobFailed as exc:
+        driver.events.emit("job_failed", reason=str(exc))
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 1
     except Interrupted as exc:

@@ -1,0 +1,102 @@
+"""What the driver tells people: an event log (JSON lines) and one console line per change.
+
+Round lines wait briefly for rank 0 to report how long training paused, so a
+change reads as a single line: `round 4: 6 workers (+2 on node-3), training paused 0.41 s`.
+"""
+
+import json
+import logging
+import threading
+import time
+
+from ..control import Keys
+
+log = logging.getLogger("elasticrun")
+PAUSE_WAIT_S = 30.0
+PROGRESS_EVERY_S = 10.0
+
+
+class EventLog:
+    """Appends one JSON object per line; a no-op without a path."""
+
+    def __init__(self, path=None):
+        self._file = open(path, "a", buffering=1) if path else None
+        self._lock = threading.Lock()
+
+    def emit(self, event, **fields):
+        if self._file is None:
+            return
+        record = {"time": round(time.time(), 4), "event": event}
+        record.update(fields)
+        with self._lock:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+
+
+class RoundReporter:
+    """Console round lines with pause durations, and the live progress line."""
+
+    def __init__(self, events, control):
+        self.events = events
+        self.control = control
+        self._pending = None          # (round, line, published_at)
+        self._progress_wid = None
+        self._last_progress = None    # (step, at)
+        self._last_print = 0.0
+
+    def round_started(self, round_id, members, change, now):
+        self.flush()
+        self.events.emit("round_started", round=round_id, size=len(members), change=change,
+                         members=[{k: m[k] for k in ("worker_id", "host", "rank")} for m in members])
+        line = f"round {round_id}: {len(members)} workers ({change})"
+        self._progress_wid = members[0]["worker_id"] if members else None
+        self._last_progress = None
+        if round_id == 1:
+            log.info(line)
+        else:
+            self._pending = (round_id, line, now)
+
+    def flush(self, pause=None):
+        if self._pending is None:
+            return
+        round_id, line, _ = self._pending
+        self._pending = None
+        if pause is None:
+            log.info(line)
+        else:
+            log.info("%s, training paused %.2f s", line, pause)
+            self.events.emit("pause", round=round_id, seconds=pause)
+
+    def poll(self, now):
+        if self._pending is not None:
+            round_id, _, published = self._pending
+            value = self.control.get(Keys.pause(round_id))
+            if value is not None:
+                self.flush(float(value["seconds"]))
+            elif now - published > PAUSE_WAIT_S:
+                self.flush()
+        self._poll_progress(now)
+
+    def _poll_progress(self, now):
+        if self._progress_wid is None:
+            return
+        value = self.control.get(Keys.progress(self._progress_wid))
+        if value is None or "step" not in value:
+            return
+        step = value["step"]
+        last = self._last_progress
+        if last is None or step < last[0]:
+            self._last_progress = (step, now)
+            self._last_print = now
+            return
+        if now - self._last_print < PROGRESS_EVERY_S or step == last[0]:
+            return
+        rate = (step - last[0]) / (now - last[1])
+        self._last_print = now
+        self._last_progress = (step, now)
+        extra = {k: v for k, v in value.items() if k not in ("at", "round")}
+        log.info("progress: step %s, %.1f steps/s", step, rate)
+        self.events.emit("progress", rate=round(rate, 3), **extra)
