@@ -26,7 +26,7 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned exactly: a looser spec pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0 numpy cloudpickle filelock pytest
+	$(PY) -m pip install -q torch==2.13.0 numpy cloudpickle filelock pytest matplotlib
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
