@@ -22,7 +22,7 @@ ssh-server:
 	  fi; \
 	fi
 
-$(STAMP): setup.py
+$(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned exactly: a looser spec pulls a multi-GB CUDA build.

@@ -93,12 +93,12 @@ def _host_buffer(t):
 def pack(tree):
     """(header bytes, flat buffers): a tree ready to send as a few large messages."""
     skeleton, tensors = split(tree)
-    by_dtype = {}
+    by_dtype, filled = {}, {}
     layout = []
     for t in tensors:
-        group = by_dtype.setdefault(t.dtype, [])
-        offset = sum(x.numel() for x in group)
-        group.append(t.reshape(-1).cpu())
+        offset = filled.get(t.dtype, 0)
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1).cpu())
+        filled[t.dtype] = offset + t.numel()
         layout.append((str(t.dtype), tuple(t.shape), offset))
     dtypes = list(by_dtype)
     flats = [torch.cat(by_dtype[d]) if by_dtype[d] else torch.empty(0, dtype=d) for d in dtypes]
