@@ -7,6 +7,7 @@ from .collectives import (
 )
 from .exceptions import ElasticError, HostsUpdatedInterrupt, WorkersDepartedError
 from .optimizer import Compression, DistributedOptimizer
+from .progress import report_progress
 from .run_loop import run
 from .runtime import (
     cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown, size,
@@ -22,5 +23,5 @@ __all__ = [
     "broadcast_optimizer_state", "broadcast_parameters", "ElasticError", "HostsUpdatedInterrupt",
     "WorkersDepartedError", "run", "cross_rank", "cross_size", "init", "is_initialized",
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
-    "State", "TorchState", "Compression", "DistributedOptimizer",
+    "State", "TorchState", "report_progress", "Compression", "DistributedOptimizer",
 ]
