@@ -6,6 +6,8 @@ from .collectives import (
     broadcast_parameters,
 )
 from .exceptions import ElasticError, HostsUpdatedInterrupt, WorkersDepartedError
+from .global_batch import GlobalBatch, MicroBatch
+from .lr_scaling import LRScaler
 from .optimizer import Compression, DistributedOptimizer
 from .progress import report_progress
 from .run_loop import run
@@ -24,4 +26,5 @@ __all__ = [
     "WorkersDepartedError", "run", "cross_rank", "cross_size", "init", "is_initialized",
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
     "State", "TorchState", "report_progress", "Compression", "DistributedOptimizer",
+    "LRScaler", "GlobalBatch", "MicroBatch",
 ]

@@ -113,7 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._built_for = None  # built lazily for one round and trainable set
         self._slot, self._passes = {}, {}       # param -> bucket; param -> passes this cycle
         self._next = 0                          # index of the next bucket to launch
-        self._cycle_open = self._synchronized = self._skip = False
+        self._cycle_open = self._synchronized = self._skip = self._no_sync = False
         self._error = None
         self.wire_bytes = 0
         self._register_hooks()
@@ -166,6 +166,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             result = self._opt.step()
         self._synchronized = False
         return result
+
+    @property
+    def op(self):
+        """The reduction applied to gradients across ranks (Average unless set otherwise)."""
+        return self._op
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate into p.grad locally, without communication
+        and without counting towards backward_passes_per_step, as in DDP's no_sync().
+
+        The next backward pass outside reduces the accumulated sum. This is how a rank
+        runs a number of micro-batches that differs between ranks and steps (see
+        ``ElasticSampler(global_batch_size=...)``): all micro-batches but the last go
+        inside no_sync().
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -269,6 +290,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with self._lock:
             if self._error is not None:
                 return
+            if self._no_sync:
+                bucket = self._slot.get(p) if self._cycle_open else None
+                if bucket is not None and self._buckets.index(bucket) < self._next:
+                    raise RuntimeError(
+                        f"gradient of {self._names.get(p, 'a parameter')} changed inside "
+                        "no_sync() after its allreduce was launched in this step; "
+                        "run the backward passes inside no_sync() first")
+                self._synchronized = False   # step() must reduce what accumulated here
+                return
             try:
                 if not self._cycle_open:
                     self._open_cycle()
@@ -352,6 +382,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     With backward_passes_per_step=k, gradients accumulate locally over k
     backward passes and are reduced on the k-th; call step() after it.
+    Backward passes inside ``no_sync()`` accumulate locally and are not counted.
     Outside elasticrun (size 1) it steps exactly like the wrapped optimizer.
     """
     return _DistributedOptimizer(optimizer, named_parameters, compression,

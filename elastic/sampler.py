@@ -9,6 +9,15 @@ The unconsumed tail ``rem = perm[processed:]`` is dealt out round-robin: rank
 ``r`` of ``s`` gets ``rem[r::s]``. All ranks step in lockstep with the same batch
 size, so once each rank has consumed ``k`` of its own samples, the consumed set is
 exactly ``rem[:k * s]``. It is still a prefix, and ``processed`` only moves ahead.
+
+Constant-global-batch mode (``global_batch_size=G``): ``perm`` is cut into global
+batches of ``G`` consecutive positions, ``perm[p:p + G]``, one per optimizer step,
+whatever the world size. Each batch is dealt round-robin to the current ranks
+(shares differ by at most one sample), and progress moves one whole global batch
+at a time, so a membership change at a commit leaves the next global batch as it
+was. An epoch whose length is not a multiple of ``G`` ends with a batch padded by
+wrapping to the start of ``perm`` (or, with ``drop_last``, without the tail).
+See :mod:`elastic.global_batch` for the training loop.
 """
 
 import importlib.util
@@ -37,9 +46,15 @@ class ElasticSampler(Sampler):
     After a membership change the framework calls :meth:`reset`, which counts this
     rank's progress as global progress and splits what is left among the new ranks.
     A restarted job resumes from :meth:`state_dict`, which holds four scalars.
+
+    ``drop_last=False`` pads the epoch's last batch by repeating samples from the
+    start of the remaining permutation; ``drop_last=True`` leaves out the tail
+    that cannot be split evenly. With ``global_batch_size=G`` every optimizer
+    step covers exactly ``G`` samples whatever the world size: iterate with
+    :meth:`global_batches` and call :meth:`record_global_batch` after each step.
     """
 
-    def __init__(self, dataset, shuffle=True, seed=0, drop_last=False):
+    def __init__(self, dataset, shuffle=True, seed=0, drop_last=False, global_batch_size=None):
         if isinstance(dataset, IterableDataset):
             raise TypeError(
                 "ElasticSampler needs a map-style dataset with a fixed length; "
@@ -54,13 +69,21 @@ class ElasticSampler(Sampler):
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        if global_batch_size is not None and (
+                isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int)
+                or global_batch_size < 1):
+            raise ValueError(f"global_batch_size must be an int >= 1 or None, "
+                             f"not {global_batch_size!r}")
+        self.global_batch_size = global_batch_size
         self._len = int(length)
         self.epoch = 0
         self.processed = 0      # consumed prefix of perm, as of the last reset/load
-        self._local = 0         # samples this rank has consumed since then
+        self._local = 0         # samples this rank consumed since then (global batches, in
+                                # global-batch mode)
         self._rank, self._size = 0, 1
         self._perm_cache = None  # (epoch, seed, shuffle, perm); derived, never saved
         self._indices = []
+        self._batches = 0        # global-batch mode: global batches left as of the last reset
         self.reset()
 
     # -- progress bookkeeping -------------------------------------------------
@@ -68,7 +91,8 @@ class ElasticSampler(Sampler):
     @property
     def processed_num(self):
         """Global progress: the length of the consumed prefix of this epoch's permutation."""
-        return min(self._len, self.processed + self._local * self._size)
+        step = self.global_batch_size or self._size   # in global-batch mode _local counts batches
+        return min(self._len, self.processed + self._local * step)
 
     @property
     def remaining(self):
@@ -84,7 +108,32 @@ class ElasticSampler(Sampler):
         """Count a finished batch given by the indices it used."""
         self._advance(len(indices))
 
+    def record_global_batch(self):
+        """Count one finished global batch (an optimizer step) in global-batch mode.
+
+        Call it after ``optimizer.step()`` and before ``state.commit()``, on every rank."""
+        if not self.global_batch_size:
+            raise RuntimeError("record_global_batch() needs ElasticSampler(global_batch_size=...); "
+                               "use record_batch() or record_indices() otherwise")
+        self._local = min(self._local + 1, self._batches)
+
+    @property
+    def global_batches_left(self):
+        """Global-batch mode: optimizer steps left in this epoch."""
+        if not self.global_batch_size:
+            raise RuntimeError("global_batches_left needs ElasticSampler(global_batch_size=...)")
+        return self._batches - self._local
+
+    def global_batches(self, optimizer, micro_batch_size=None):
+        """Global-batch mode: yield one :class:`elastic.global_batch.GlobalBatch` per
+        optimizer step left in this epoch. See :mod:`elastic.global_batch`."""
+        from .global_batch import iterate_global_batches
+        return iterate_global_batches(self, optimizer, micro_batch_size)
+
     def _advance(self, count):
+        if self.global_batch_size:
+            raise RuntimeError("in global-batch mode progress moves one global batch at a time: "
+                               "call record_global_batch() after each optimizer step")
         if count < 0:
             raise ValueError(f"cannot record a negative number of samples ({count})")
         # A short last batch may be recorded at its nominal size. Capping at this
@@ -160,6 +209,9 @@ class ElasticSampler(Sampler):
         return self._perm_cache[3]
 
     def _recompute(self):
+        if self.global_batch_size:
+            self._recompute_global()
+            return
         rem = self._perm()[self.processed:]
         m, s = len(rem), self._size
         per = m // s if self.drop_last else math.ceil(m / s)
@@ -171,10 +223,38 @@ class ElasticSampler(Sampler):
         pos = torch.arange(per) * s + self._rank
         self._indices = rem[pos % m].tolist()
 
+    def _recompute_global(self):
+        g, m = self.global_batch_size, self._len - self.processed
+        self._batches = m // g if self.drop_last else -(-m // g)
+        if self._batches == 0:
+            self._indices = []
+            return
+        # Row b is global batch b: positions processed + b*g ... (+ g - 1), wrapping to
+        # the start of the epoch's permutation to pad the last one. Columns are dealt
+        # round-robin, so this rank's share of every batch is column r, r + s, ...
+        pos = self.processed + torch.arange(self._batches * g).view(self._batches, g)
+        self._indices = self._perm()[pos % self._len][:, self._rank::self._size].flatten().tolist()
+
+    def global_batch_indices(self, number):
+        """Global-batch mode: all ``G`` indices of global batch ``number`` of the rest of
+        this epoch (0 is the next one), the same on every rank and at every world size."""
+        if not 0 <= number < self._batches - self._local:
+            raise IndexError(f"global batch {number} is past the end of the epoch")
+        g = self.global_batch_size
+        start = self.processed + (self._local + number) * g
+        return self._perm()[torch.arange(start, start + g) % self._len].tolist()
+
+    def share_of(self, indices, rank=None, size=None):
+        """The part of a global batch that ``rank`` of ``size`` trains (default: this rank)."""
+        rank = self._rank if rank is None else int(rank)
+        size = self._size if size is None else int(size)
+        return list(indices[rank::size])
+
     # -- Sampler protocol ------------------------------------------------------
 
     def get_indices(self, batch_idx, batch_size):
-        """Return this rank's indices for batch ``batch_idx``, counted from the last reset."""
+        """Return this rank's indices for batch ``batch_idx``, counted from the last reset.
+        (In global-batch mode this slices the concatenation of this rank's shares.)"""
         start = int(batch_idx) * int(batch_size)
         return self._indices[start:start + int(batch_size)]
 

@@ -116,7 +116,7 @@ BAD_INPUT = [
 RUNTIME = {
     "syntax_error": (["-np", "1", "-H", "localhost:1", "python", "{d}/bad.py"], TIMEOUT_S),
     "plain_script": (["-np", "1", "-H", "localhost:1", "python", "{d}/plain.py"],
-                     HANG_TIMEOUT_S),
+                     TIMEOUT_S),
 }
 
 

@@ -1,0 +1,130 @@
+"""Learning-rate scaling rules for a world size that changes while training runs.
+
+When every worker keeps its per-worker batch, the global batch grows and shrinks
+with the world, and the usual remedy is to scale the learning rate with it:
+
+* ``"linear"``: ``lr * size / base_size`` (Goyal et al., for SGD-like optimizers)
+* ``"sqrt"``:   ``lr * sqrt(size / base_size)`` (often preferred for Adam-like optimizers)
+
+:class:`LRScaler` applies the factor only *while the wrapped optimizer steps*.
+``group["lr"]`` always holds the unscaled value, which is the value that
+``torch.optim.lr_scheduler`` schedulers read and write. So:
+
+* effective lr = (what the scheduler set) x f(size) / f(base_size), exactly,
+  for every scheduler (closed-form ones such as LambdaLR and recursive ones
+  such as CosineAnnealingLR alike), because no scheduler ever sees a scaled value;
+* nothing drifts: the factor is recomputed from the current size, never
+  multiplied into stored state, so 4 -> 2 -> 3 -> 4 gives back exactly the lr of 4;
+* checkpoints and state sync carry the unscaled lr, so they mean the same
+  thing whatever the world size of the rank that sends them.
+
+Typical use, one line next to the optimizer::
+
+    scaler = elastic.LRScaler(optimizer, base_size=4, rule="linear")
+    state.register_reset_callbacks([scaler])
+
+Registering it as a reset callback refreshes :attr:`factor` (handy for logging)
+at each membership change; the factor is also refreshed at every step, so the
+scaled lr is right even without the callback.
+"""
+
+import math
+
+from . import runtime
+
+RULES = {
+    "linear": lambda size: float(size),
+    "sqrt": lambda size: math.sqrt(size),
+    "none": lambda size: 1.0,
+}
+
+
+def _inner_optimizer(optimizer):
+    """The torch optimizer that actually steps: DistributedOptimizer delegates to it."""
+    inner = optimizer.__dict__.get("_opt")
+    return inner if inner is not None else optimizer
+
+
+def scale_factor(size, base_size, rule="linear"):
+    """``f(size) / f(base_size)`` for a rule name in :data:`RULES` or a callable ``f``."""
+    f = RULES.get(rule) if isinstance(rule, str) else rule
+    if f is None or not callable(f):
+        raise ValueError(f"unknown lr scaling rule {rule!r}; use one of {sorted(RULES)} "
+                         "or a callable size -> multiplier")
+    if int(size) < 1 or int(base_size) < 1:
+        raise ValueError(f"sizes must be >= 1, got size={size} base_size={base_size}")
+    return float(f(int(size))) / float(f(int(base_size)))
+
+
+class LRScaler:
+    """Scales every param group's lr by ``f(size) / f(base_size)`` during ``step()``.
+
+    ``optimizer``: a torch optimizer or an ``elastic.DistributedOptimizer``.
+    ``base_size``: the world size for which the configured lrs are right.
+    ``rule``: ``"linear"``, ``"sqrt"``, ``"none"`` or a callable ``size -> multiplier``.
+    ``size_fn``: where the current world size comes from (default ``elastic.size``).
+
+    The instance is callable with no arguments, so it can be passed to
+    ``state.register_reset_callbacks``. ``group["lr"]`` keeps the unscaled value;
+    :meth:`scaled_lrs` gives the lrs the optimizer actually uses.
+    """
+
+    def __init__(self, optimizer, base_size, rule="linear", size_fn=None):
+        self.base_size = int(base_size)
+        self.rule = rule
+        self._size_fn = size_fn or runtime.size
+        self._opt = _inner_optimizer(optimizer)
+        if getattr(self._opt, "_elastic_lr_scaler", None) is not None:
+            raise RuntimeError("this optimizer already has an LRScaler; remove() it first")
+        self.size = None
+        self.factor = 1.0
+        self.update()   # validates rule and sizes before any hook is installed
+        self._swapped = None   # [(group, unscaled, scaled)] while a step is running
+        self._handles = [self._opt.register_step_pre_hook(self._before_step),
+                         self._opt.register_step_post_hook(self._after_step)]
+        self._opt._elastic_lr_scaler = self
+
+    def update(self):
+        """Read the current world size and recompute :attr:`factor`. Returns the factor."""
+        self.size = int(self._size_fn())
+        self.factor = scale_factor(self.size, self.base_size, self.rule)
+        return self.factor
+
+    __call__ = update   # a reset callback
+
+    def scaled_lrs(self):
+        """The lr of each param group as the optimizer uses it at the current size."""
+        factor = scale_factor(int(self._size_fn()), self.base_size, self.rule)
+        return [group["lr"] * factor for group in self._opt.param_groups]
+
+    def remove(self):
+        """Detach from the optimizer; its lrs are then used unscaled again."""
+        self._restore()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if getattr(self._opt, "_elastic_lr_scaler", None) is self:
+            self._opt._elastic_lr_scaler = None
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _restore(self):
+        """Put the unscaled lrs back, unless something (load_state_dict, a scheduler)
+        replaced the value we wrote: then that newer value is the unscaled one."""
+        swapped, self._swapped = self._swapped, None
+        for group, unscaled, scaled in swapped or ():
+            if group["lr"] is scaled:
+                group["lr"] = unscaled
+
+    def _before_step(self, optimizer, args, kwargs):
+        self._restore()   # a step that raised never ran _after_step
+        factor = self.update()
+        swapped = []
+        for group in self._opt.param_groups:
+            unscaled = group["lr"]
+            scaled = unscaled * factor
+            group["lr"] = scaled
+            swapped.append((group, unscaled, scaled))
+        self._swapped = swapped
+
+    def _after_step(self, optimizer, args, kwargs):
+        self._restore()
