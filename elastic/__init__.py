@@ -1,5 +1,6 @@
 """elastic: data-parallel PyTorch training that gains and loses workers while it runs."""
 
+from .checkpoint import Checkpointer
 from .collectives import (
     Average, Max, Min, Product, ReduceOp, Sum, allgather, allgather_object, allreduce,
     allreduce_, barrier, broadcast, broadcast_, broadcast_object, broadcast_optimizer_state,
@@ -26,5 +27,5 @@ __all__ = [
     "WorkersDepartedError", "run", "cross_rank", "cross_size", "init", "is_initialized",
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
     "State", "TorchState", "report_progress", "Compression", "DistributedOptimizer",
-    "LRScaler", "GlobalBatch", "MicroBatch",
+    "LRScaler", "GlobalBatch", "MicroBatch", "Checkpointer",
 ]

@@ -21,6 +21,8 @@ _UNCOMMITTED = -1
 class State:
     """Base class: subclasses say how to capture and apply their live state."""
 
+    _checkpoint = None   # an elastic.Checkpointer (see TorchState), or None
+
     def __init__(self):
         self._reset_callbacks = []
         self._snapshot = Snapshot()
@@ -53,12 +55,16 @@ class State:
         return self._version
 
     def save(self):
+        if self._checkpoint is not None:
+            self._checkpoint.before_save(self)   # the writer may still read the snapshot
         self._snapshot.save(self.capture())
 
     def commit(self):
         """Snapshot to host memory, then learn collectively whether a round is pending."""
         self.save()
         self._version = max(self._version, 0) + 1
+        if self._checkpoint is not None:
+            self._checkpoint.after_commit(self)
         self.check_host_updates()
 
     def restore(self):
@@ -78,6 +84,8 @@ class State:
     def sync(self):
         """Bring every rank to the newest commit, moving bytes only where needed."""
         w = runtime.worker()
+        if self._checkpoint is not None:
+            self._checkpoint.before_sync(self)   # rank 0 of a fresh job loads the newest
         self.sync_stats["syncs"] += 1
         if w is None:
             self._after_sync(max(self._version, 0))
@@ -154,13 +162,18 @@ class TorchState(ObjectState):
     """A model, its optimizer, samplers and any picklable objects, as attributes.
 
     Objects with state_dict/load_state_dict (ElasticSampler, lr schedulers) are
-    captured through them; everything else by value.
+    captured through them; everything else by value. ``checkpoint``: an
+    elastic.Checkpointer for durable checkpoints; by default one in
+    $ELASTIC_CHECKPOINT_DIR when that is set (``elasticrun --checkpoint-dir``);
+    False for none.
     """
 
-    def __init__(self, model=None, optimizer=None, **kwargs):
+    def __init__(self, model=None, optimizer=None, checkpoint=None, **kwargs):
         super().__init__(**kwargs)
         self.model = model
         self.optimizer = optimizer
+        from .checkpoint import resolve
+        self._checkpoint = resolve(checkpoint)
 
     def capture(self):
         tree = {"objects": {}}

@@ -9,6 +9,14 @@ from ..exceptions import HostsUpdatedInterrupt, WorkersDepartedError
 from ..optimizer import Compression, DistributedOptimizer
 from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState, ...)
 
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "DistributedOptimizer", "Compression", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "barrier", "allreduce",
+    "allreduce_", "allgather", "broadcast", "broadcast_", "elastic", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
+]
+
 HorovodInternalError = WorkersDepartedError
 Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
 ReduceOp = _c.ReduceOp

@@ -1,0 +1,314 @@
+"""Durable checkpoints: written in the background from the committed snapshot.
+
+``TorchState(..., checkpoint=Checkpointer(dir, every_commits=N, every_seconds=S, keep=K))``.
+Only rank 0 of the current round writes, holding a ``filelock`` lock on the
+directory for as long as it is the writer; a second job that points at the same
+directory stops with one line. The writer thread reads the committed snapshot's
+own host buffers: nothing is copied to write a checkpoint. If the next commit
+comes while the writer still reads some of them, that commit does not wait and
+does not overwrite them: those tensors go into spare buffers, which are reused
+from one write to the next (extra memory: at most one snapshot, usually the
+part the writer has not hashed yet). The format is in checkpoint_store.py.
+
+On the first sync of a fresh job, rank 0 loads the newest good checkpoint and
+takes over its commit version; the others then receive it by the normal sync,
+whatever the world size.
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from . import checkpoint_store as store
+from . import runtime
+from .checkpoint_lock import CheckpointDirectoryInUse, DirectoryLock, job_id
+from .checkpoint_store import CheckpointError, CorruptCheckpoint, list_checkpoints  # noqa: F401
+from .checkpoint_write import write_checkpoint
+
+ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
+DEFAULT_EVERY_COMMITS = 10
+DEFAULT_EVERY_SECONDS = 60.0
+
+
+def _warn(message):
+    sys.stderr.write(f"elastic: warning: {message}\n")
+    sys.stderr.flush()
+
+
+def _env_float(name, default):
+    return float(os.environ.get(name, default))
+
+
+class Checkpointer:
+    """Periodic, asynchronous, incremental and atomic checkpoints of one state.
+
+    A checkpoint is due at a commit once ``every_commits`` commits or
+    ``every_seconds`` seconds have passed since the last one (either; with
+    neither given: 10 commits or 60 s). A due checkpoint waits for the next
+    commit while the previous write is still running. The newest ``keep``
+    checkpoints are kept.
+    """
+
+    def __init__(self, directory, every_commits=None, every_seconds=None, keep=3):
+        """``directory`` is created by the writer. Environment: ELASTIC_CHECKPOINT_LOCK_WAIT
+        (seconds to wait for a directory locked by another job, default 10: its killed
+        workers may still be exiting); ELASTIC_CHECKPOINT_WRITE_TIMEOUT (default 600)."""
+        if not directory:
+            raise ValueError("Checkpointer needs a directory")
+        if every_commits is not None and (int(every_commits) != every_commits or every_commits < 1):
+            raise ValueError(f"every_commits must be a whole number >= 1, got {every_commits!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0, got {every_seconds!r}")
+        if int(keep) != keep or keep < 1:
+            raise ValueError(f"keep must be a whole number >= 1, got {keep!r}")
+        if every_commits is None and every_seconds is None:
+            every_commits, every_seconds = DEFAULT_EVERY_COMMITS, DEFAULT_EVERY_SECONDS
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.every_commits = None if every_commits is None else int(every_commits)
+        self.every_seconds = every_seconds
+        self.keep = int(keep)
+        self.lock_wait_s = _env_float("ELASTIC_CHECKPOINT_LOCK_WAIT", 10.0)
+        self.write_timeout_s = _env_float("ELASTIC_CHECKPOINT_WRITE_TIMEOUT", 600.0)
+        # Test hooks: slow down phase 1 (while the buffers are read) / phase 2 (durability).
+        self._hold_s = _env_float("ELASTIC_CHECKPOINT_TEST_HOLD", 0.0)
+        self._delay_s = _env_float("ELASTIC_CHECKPOINT_TEST_DELAY", 0.0)
+        self.resumed_from = None     # {"version", "path"} once a checkpoint was loaded
+        self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
+                      "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
+        self._state = None
+        self._world_size = 1
+        self._lock = DirectoryLock(self.directory, job_id(id(self)))
+        self._resume_tried = False
+        self._last_version = -1      # newest version on disk, as far as the writer knows
+        self._since_commits = 0
+        self._last_time = time.monotonic()
+        self._cond = threading.Condition()
+        self._mu = threading.Lock()
+        self._unread = {}        # index -> snapshot buffer the writer has yet to read
+        self._retired = []       # buffers swapped out of the snapshot while being read
+        self._spares = {}        # (shape, dtype, pinned) -> buffers to reuse
+        self._busy = False
+        self._job = None
+        self._closing = False
+        self._thread = None
+        self._atexit = None
+
+    @property
+    def is_writer(self):
+        return self._lock.held
+
+    # -- hooks called by State ------------------------------------------------------------
+    def before_sync(self, state):
+        """Rank 0: take the lock, and in a fresh job load the newest good checkpoint."""
+        if self._state is not None and self._state is not state:
+            raise ValueError("a Checkpointer serves a single state")
+        self._state = state
+        w = runtime.worker()
+        if w is not None and (w.membership is None or w.membership.rank != 0):
+            self._release()
+            return
+        self._world_size = w.membership.size if w is not None else 1
+        try:
+            self._acquire()
+        except CheckpointDirectoryInUse as exc:
+            # One line and a non-zero exit, not a traceback (sys.exit keeps the exit code).
+            sys.exit(f"elastic: {exc}")
+        if state.commit_version < 0 and not self._resume_tried:
+            self._resume_tried = True
+            self._resume(state)
+
+    def before_save(self, state):
+        """Never wait for the writer: give it the buffers it still reads, take spares."""
+        with self._mu:
+            if not self._unread:
+                if self._retired:
+                    self._recycle(state._snapshot.buffers)
+                return
+            buffers = state._snapshot.buffers
+            for i, buf in self._unread.items():
+                if i < len(buffers) and buffers[i] is buf:
+                    key = (tuple(buf.shape), buf.dtype, buf.is_pinned())
+                    pool = self._spares.get(key)
+                    buffers[i] = pool.pop() if pool else torch.empty(
+                        buf.shape, dtype=buf.dtype, pin_memory=key[2])
+                    self._retired.append(buf)
+                    self.stats["swapped_bytes"] += buf.numel() * buf.element_size()
+            self.stats["swapped_commits"] += 1
+
+    def _recycle(self, buffers):
+        """Retired buffers become spares; keep no more spares than the snapshot has buffers."""
+        wanted = {}
+        for b in buffers:
+            key = (tuple(b.shape), b.dtype, b.is_pinned())
+            wanted[key] = wanted.get(key, 0) + 1
+        for b in self._retired:
+            key = (tuple(b.shape), b.dtype, b.is_pinned())
+            pool = self._spares.setdefault(key, [])
+            if len(pool) < wanted.get(key, 0):
+                pool.append(b)
+        self._retired = []
+
+    def after_commit(self, state):
+        """Hand the commit just saved to the writer thread when a checkpoint is due."""
+        if not self._lock.held:
+            return
+        self._since_commits += 1
+        due = ((self.every_commits is not None and self._since_commits >= self.every_commits)
+               or (self.every_seconds is not None
+                   and time.monotonic() - self._last_time >= self.every_seconds))
+        if due:
+            self._submit(state)
+
+    # -- public ---------------------------------------------------------------------------
+    def wait(self, timeout=None):
+        """Block until no checkpoint is being written; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, final=True):
+        """Finish the write in flight, write the last commit if newer (``final``), unlock."""
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        if self._lock.held and self.wait(self.write_timeout_s):
+            state = self._state
+            if final and state is not None and not state._snapshot.empty \
+                    and state.commit_version > max(self._last_version, 0):
+                # On this thread: at exit, no new thread may be allowed to start.
+                self._write(self._job_of(state))
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._lock.release()
+
+    # -- internals ------------------------------------------------------------------------
+    def _resume(self, state):
+        found = store.load_newest(self.directory, warn=_warn, quarantine=True)
+        on_disk = list_checkpoints(self.directory)      # the corrupt ones are gone now
+        self._last_version = on_disk[-1][0] if on_disk else -1
+        if found is None:
+            return
+        version, tree, path = found
+        state.apply(tree)
+        state._version = version
+        state.save()
+        self._since_commits, self._last_time = 0, time.monotonic()
+        self.resumed_from = {"version": version, "path": path}
+        runtime._log(f"resumed from checkpoint {path} (commit {version})")
+
+    def _submit(self, state):
+        snap = state._snapshot
+        with self._cond:
+            if self._busy:
+                self.stats["deferred"] += 1
+                return
+            self._busy = True
+            with self._mu:
+                if self._retired:
+                    self._recycle(snap.buffers)
+                self._unread = dict(enumerate(snap.buffers))
+            self._job = self._job_of(state)
+            self._since_commits, self._last_time = 0, time.monotonic()
+            if self._thread is None or not self._thread.is_alive():
+                self._closing = False
+                self._thread = threading.Thread(target=self._writer, daemon=True,
+                                                name="elastic-checkpoint-writer")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _job_of(self, state):
+        snap = state._snapshot
+        return state.commit_version, snap.skeleton, list(snap.buffers), self._world_size
+
+    def _writer(self):
+        while True:
+            with self._cond:
+                while self._job is None and not self._closing:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                job, self._job = self._job, None
+            try:
+                self._write(job)
+            finally:
+                self._read(None)
+                del job
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, job):
+        version, skeleton, buffers, size = job
+        try:
+            result = write_checkpoint(
+                self.directory, version, skeleton, buffers, released=self._read,
+                info={"world_size": size}, hold_s=self._hold_s, delay_s=self._delay_s)
+            store.prune(self.directory, self.keep)
+        except Exception as exc:  # noqa: BLE001 - training goes on; the next one retries
+            self.stats["failures"] += 1
+            _warn(f"checkpoint of commit {version} to {self.directory} failed: {exc}")
+            return
+        self._last_version = max(self._last_version, version)
+        self.stats["checkpoints"] += 1
+        self.stats["bytes_written"] += result["bytes_written"]
+        self.stats["bytes_total"] += result["bytes_total"]
+        self.stats["last"] = result
+
+    def _read(self, index):
+        with self._mu:
+            if index is None:
+                self._unread = {}
+            else:
+                self._unread.pop(index, None)
+
+    def _acquire(self):
+        if self._lock.held:
+            return
+        self._lock.acquire(self.lock_wait_s)
+        store.remove_temps(self.directory)
+        on_disk = list_checkpoints(self.directory)
+        self._last_version = on_disk[-1][0] if on_disk else -1
+        self._since_commits, self._last_time = 0, time.monotonic()
+        if self._atexit is None:
+            self._atexit = self.close
+            atexit.register(self._atexit)
+
+    def _release(self):
+        if self._lock.held:
+            self.wait(self.write_timeout_s)
+            self._lock.release()
+
+
+def resolve(checkpoint):
+    """The Checkpointer a TorchState uses: the one given, else $ELASTIC_CHECKPOINT_DIR's."""
+    if checkpoint is False:
+        return None
+    if checkpoint is None:
+        directory = os.environ.get(ENV_DIR)
+        return Checkpointer(directory) if directory else None
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return Checkpointer(checkpoint)
+    if not isinstance(checkpoint, Checkpointer):
+        raise TypeError(f"checkpoint must be an elastic.Checkpointer, got {type(checkpoint)!r}")
+    return checkpoint
+
+
+def load(directory):
+    """(version, tree) of the newest good checkpoint in ``directory``, or None.
+
+    ``tree`` is what the state captured: ``tree["model"]`` and ``tree["optimizer"]``
+    are ordinary state_dicts (save them with torch.save for other tools), and
+    ``tree["objects"]`` holds the other attributes. Reads only; takes no lock.
+    """
+    found = store.load_newest(os.fspath(directory), warn=_warn)
+    return None if found is None else found[:2]

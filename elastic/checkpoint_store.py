@@ -1,0 +1,208 @@
+"""On-disk format of durable checkpoints: content-addressed blobs plus one manifest each.
+
+    DIR/LOCK, DIR/LOCK.owner        held by the job's single writer (checkpoint_lock.py)
+    DIR/ckpt-000000000120.json      the manifest of commit 120; it exists only once complete
+    DIR/blobs/<sha256>              raw bytes: one large tensor, a pack of small tensors,
+                                    or the pickled skeleton (everything that is not a tensor)
+
+A blob is named by the sha256 of its content, so a tensor that did not change
+since an earlier checkpoint already has its file and is not written again: the
+new manifest just names it. A manifest is JSON, ``{"body": ..., "sha256": ...}``
+where the hash covers the body's canonical JSON; the body lists every tensor as
+(blob, offset, nbytes, dtype, shape) in the order of the state's snapshot.
+Tensor bytes are the tensor's memory as is (``sys.byteorder`` is recorded).
+
+Writes are atomic (checkpoint_write.py): blobs and manifest go to temp files,
+are fsynced, renamed and their directory fsynced; the manifest is renamed last.
+This module reads, verifies and prunes. Loading verifies the
+manifest hash and every blob's sha256 and size, and falls back to the previous
+manifest when the newest is torn or corrupt. Pruning keeps the newest K
+manifests and deletes only blobs that none of them names.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import sys
+
+import torch
+
+from .exceptions import ElasticError
+from .snapshot import join
+
+FORMAT = "elastic-checkpoint/1"
+BLOBS = "blobs"
+SMALL_BYTES = 64 * 1024      # tensors below this are packed into one blob per checkpoint
+ALIGN = 64
+_MANIFEST = re.compile(r"^ckpt-(\d{12})\.json$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CheckpointError(ElasticError):
+    """A checkpoint could not be written or read."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A manifest or a blob it names is missing, torn, or fails its checksum."""
+
+    def __init__(self, message, bad_blobs=()):
+        super().__init__(message)
+        self.bad_blobs = list(bad_blobs)
+
+
+def manifest_path(directory, version):
+    return os.path.join(directory, f"ckpt-{int(version):012d}.json")
+
+
+def blob_path(directory, name):
+    return os.path.join(directory, BLOBS, name)
+
+
+def list_checkpoints(directory):
+    """[(version, manifest path)] of the visible checkpoints, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n))
+             for n in names for m in [_MANIFEST.match(n)] if m]
+    return sorted(found)
+
+
+def _sha(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_manifest(body):
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"body": body, "sha256": _sha(canonical.encode())},
+                      sort_keys=True, indent=1).encode()
+
+
+# -- reading ----------------------------------------------------------------------------------
+def read_manifest(path):
+    """The verified body of a manifest, or CorruptCheckpoint."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        body = doc["body"]
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        ok = _sha(canonical.encode()) == doc["sha256"] and body["format"] == FORMAT
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpoint(f"unreadable manifest ({exc.__class__.__name__})") from None
+    if not ok:
+        raise CorruptCheckpoint("manifest checksum mismatch")
+    if body.get("byteorder") != sys.byteorder:
+        raise CheckpointError(f"checkpoint written on a {body.get('byteorder')}-endian machine")
+    return body
+
+
+def _read_blob(directory, name, size):
+    try:
+        with open(blob_path(directory, name), "rb") as f:
+            data = bytearray(f.read())
+    except OSError:
+        raise CorruptCheckpoint(f"blob {name[:12]}… missing", [name]) from None
+    if len(data) != size or _sha(data) != name:
+        raise CorruptCheckpoint(f"blob {name[:12]}… fails its checksum", [name])
+    return data
+
+
+def read_checkpoint(directory, body):
+    """Read and verify every blob of a manifest body; return the state tree."""
+    sizes = body["blobs"]
+    skeleton = pickle.loads(_read_blob(directory, body["skeleton"], sizes[body["skeleton"]]))
+    tensors = [None] * len(body["tensors"])
+    by_blob = {}
+    for i, e in enumerate(body["tensors"]):
+        by_blob.setdefault(e["blob"], []).append(i)
+    for name, indices in by_blob.items():
+        data = _read_blob(directory, name, sizes[name])
+        raw = (torch.frombuffer(data, dtype=torch.uint8) if data
+               else torch.empty(0, dtype=torch.uint8))
+        for i in indices:
+            e = body["tensors"][i]
+            dtype = getattr(torch, e["dtype"])
+            if e["nbytes"] == 0:
+                tensors[i] = torch.empty(e["shape"], dtype=dtype)
+                continue
+            piece = raw[e["offset"]:e["offset"] + e["nbytes"]]
+            # Own memory per tensor: equal tensors share a blob, and must not share storage.
+            tensors[i] = piece.view(dtype).reshape(e["shape"]).clone()
+        del raw, data
+    return join(skeleton, tensors)
+
+
+def load_newest(directory, warn=None, quarantine=False):
+    """(version, tree, path) of the newest checkpoint that verifies, or None.
+
+    A corrupt newer one is reported through ``warn``; with ``quarantine`` (only
+    the lock holder may) its manifest and bad blobs are renamed to ``*.corrupt``
+    so that neither a later load nor a later write can trust them.
+    """
+    for version, path in reversed(list_checkpoints(directory)):
+        try:
+            tree = read_checkpoint(directory, read_manifest(path))
+            return version, tree, path
+        except CorruptCheckpoint as exc:
+            if warn is not None:
+                warn(f"checkpoint {path} is corrupt ({exc}); trying the previous one")
+            if quarantine:
+                for name in exc.bad_blobs:
+                    _rename_quietly(blob_path(directory, name))
+                _rename_quietly(path)
+    return None
+
+
+def _rename_quietly(path):
+    try:
+        os.replace(path, path + ".corrupt")
+    except OSError:
+        pass
+
+
+# -- housekeeping -----------------------------------------------------------------------------
+def remove_temps(directory):
+    """Delete the temp files of writes that died (only the lock holder may call this)."""
+    for folder in (directory, os.path.join(directory, BLOBS)):
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if name.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+
+def prune(directory, keep):
+    """Keep the newest ``keep`` manifests; delete blobs that none of them names.
+
+    Returns the number of blobs deleted. If a kept manifest cannot be read, no
+    blob is deleted: its references are unknown.
+    """
+    checkpoints = list_checkpoints(directory)
+    kept = checkpoints[-keep:] if keep > 0 else []
+    for _version, path in checkpoints[:len(checkpoints) - len(kept)]:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    referenced = set()
+    for _version, path in kept:
+        try:
+            referenced.update(read_manifest(path)["blobs"])
+        except CheckpointError:
+            return 0
+    deleted = 0
+    folder = os.path.join(directory, BLOBS)
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        base = name[:-len(".corrupt")] if name.endswith(".corrupt") else name
+        if not name.endswith(".tmp") and _HEX64.match(base) and name not in referenced:
+            os.unlink(os.path.join(folder, name))
+            deleted += 1
+    return deleted

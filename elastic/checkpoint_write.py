@@ -1,0 +1,205 @@
+"""Writing one checkpoint (format: checkpoint_store.py) straight from snapshot buffers.
+
+Phase 1 reads the tensors: this thread hashes each one while an I/O thread
+writes and fsyncs the previous new blob to a temp file, so hashing overlaps the
+disk. A tensor whose content already has a blob is only hashed. Phase 2 makes
+the checkpoint visible: rename the blobs, fsync their directory, then write,
+fsync and rename the manifest, and fsync the checkpoint directory. A crash at
+any point leaves at most temp files and unreferenced blobs, never a manifest
+that names a missing or partial file.
+"""
+
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+from .checkpoint_store import (
+    ALIGN, BLOBS, FORMAT, SMALL_BYTES, _sha, blob_path, encode_manifest, manifest_path,
+)
+
+
+def write_checkpoint(directory, version, skeleton, tensors, released=None, info=None,
+                     hold_s=0.0, delay_s=0.0):
+    """Write the checkpoint of commit ``version``; return what it cost.
+
+    ``released(i)`` says that tensor i is no longer read (possibly called from
+    the I/O thread), ``released(None)`` that phase 1 is over: from then on the
+    caller may overwrite the tensors. ``hold_s``/``delay_s`` are test hooks
+    that slow phase 1 / phase 2.
+    """
+    started = time.perf_counter()
+    os.makedirs(os.path.join(directory, BLOBS), exist_ok=True)
+
+    def done(i):
+        if released is not None and (i is None or i >= 0):
+            released(i)
+
+    pending = []            # (temp path, final path) of every file written
+    sizes = {}
+    written = [0]
+    io = _IOThread(done)
+
+    def put(name, data, index=-1):
+        if name not in sizes:
+            sizes[name] = memoryview(data).nbytes
+            if not _has_blob(directory, name, sizes[name]):
+                final = blob_path(directory, name)
+                pending.append((f"{final}.{os.getpid()}.tmp", final))
+                written[0] += sizes[name]
+                io.submit(pending[-1][0], data, index)
+                return
+        done(index)
+
+    try:
+        try:
+            views = [_byte_view(t) for t in tensors]
+            pack, offsets = bytearray(), {}
+            for i, view in enumerate(views):
+                if view.nbytes < SMALL_BYTES:
+                    pack.extend(bytes(-len(pack) % ALIGN))
+                    offsets[i] = len(pack)
+                    pack.extend(view)
+                    done(i)
+            pack_name = _sha(pack) if offsets else None
+            if hold_s:
+                time.sleep(hold_s)
+            entries = []
+            for i, (t, view) in enumerate(zip(tensors, views)):
+                if i in offsets:
+                    name, offset = pack_name, offsets[i]
+                else:
+                    name, offset = _sha(view), 0
+                    put(name, view, i)
+                entries.append({"blob": name, "offset": offset, "nbytes": view.nbytes,
+                                "dtype": str(t.dtype).replace("torch.", ""),
+                                "shape": list(t.shape)})
+            del views
+            if offsets:
+                put(pack_name, pack)
+            skeleton_bytes = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+            skeleton_name = _sha(skeleton_bytes)
+            put(skeleton_name, skeleton_bytes)
+        finally:
+            io.join()                   # the I/O thread may still read a tensor
+            done(None)
+        io.raise_error()
+        released_s = time.perf_counter() - started
+        if delay_s:
+            time.sleep(delay_s)
+        for temp, final in pending:
+            os.replace(temp, final)
+        if pending:
+            _fsync_path(os.path.join(directory, BLOBS))
+        body = dict(info or {}, format=FORMAT, version=int(version), created=time.time(),
+                    byteorder=sys.byteorder, skeleton=skeleton_name, tensors=entries,
+                    blobs=sizes, bytes_written=written[0])
+        path = manifest_path(directory, version)
+        pending.append((f"{path}.{os.getpid()}.tmp", path))
+        _write_file(pending[-1][0], encode_manifest(body), done=None)
+        if delay_s:
+            time.sleep(delay_s)
+        os.replace(pending[-1][0], path)
+        _fsync_path(directory)
+    except BaseException:
+        for temp, _ in pending:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+        raise
+    return {"version": int(version), "path": path, "bytes_written": written[0],
+            "bytes_total": sum(e["nbytes"] for e in entries),
+            "blobs_written": len(pending) - 1,
+            "release_s": released_s, "seconds": time.perf_counter() - started}
+
+
+class _IOThread:
+    """Writes temp files in order on one thread (inline where no thread can start)."""
+
+    def __init__(self, done):
+        self._done = done
+        self._queue = queue.Queue()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name="elastic-checkpoint-io",
+                                        daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:
+            self._thread = None
+
+    def submit(self, path, data, index):
+        if self._thread is None:
+            self._write(path, data, index)
+        else:
+            self._queue.put((path, data, index))
+
+    def _write(self, path, data, index):
+        if self._error is not None:
+            self._done(index)       # skipped after an error; the tensor is free anyway
+            return
+        try:
+            _write_file(path, data, done=lambda: self._done(index))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by raise_error()
+            self._error = exc
+
+    def _run(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._write(*item)
+
+    def join(self):
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def raise_error(self):
+        if self._error is not None:
+            raise self._error
+
+
+def _byte_view(t):
+    """The tensor's bytes without a copy (snapshot buffers are contiguous host tensors)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def _write_file(path, data, done):
+    """Write, call ``done()`` (the data is no longer read), then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            offset = 0
+            while offset < len(view):
+                offset += os.write(fd, view[offset:offset + (64 << 20)])
+        finally:
+            if done is not None:
+                done()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _has_blob(directory, name, size):
+    try:
+        return os.stat(blob_path(directory, name)).st_size == size
+    except FileNotFoundError:
+        return False

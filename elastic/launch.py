@@ -1,0 +1,438 @@
+"""``elastic.launch``: run a Python function as an elastic job, get each rank's result.
+
+The function travels to the workers with cloudpickle, in a file only this user
+can read. ``elasticrun`` runs as a child process (``python -m elastic.runner``),
+so the caller's process keeps its own signal handlers and works the same from a
+script, a test or a notebook. Each worker of the final round pickles what the
+function returned; ``launch`` gathers those in rank order.
+
+Files live in a private temporary directory (``workdir``, or the system's temp
+directory). Workers on other hosts read and write it at the same path, so for a
+multi-host job put ``workdir`` on a filesystem they share.
+"""
+
+import argparse
+import collections
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import cloudpickle
+
+from .exceptions import ElasticError
+
+RESULTS = "results"
+ERRORS = "errors"
+STDERR_TAIL_LINES = 20
+_OUTPUT_TAIL_LINES = 200
+_TERMINATE_GRACE_S = 10.0
+_WORKER_RE = re.compile(r"\bworker (\S+?)(?: on (\S+?))?(?=[\s;:,)]|$)")
+
+
+class LaunchError(ElasticError):
+    """The launched job failed; ``str()`` says which worker and why.
+
+    Attributes (None when unknown): ``worker`` (worker id), ``host``, ``rank``,
+    ``exit_code`` (elasticrun's), ``error_line`` (elasticrun's one-line error),
+    ``exc_type`` and ``exc_message`` (what the function raised), ``remote_traceback``,
+    ``stderr_tail`` (the last lines of that worker's stderr).
+    """
+
+    def __init__(self, message, *, worker=None, host=None, rank=None, exit_code=None,
+                 error_line=None, exc_type=None, exc_message=None, remote_traceback=None,
+                 stderr_tail=None):
+        super().__init__(message)
+        self.worker = worker
+        self.host = host
+        self.rank = rank
+        self.exit_code = exit_code
+        self.error_line = error_line
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.remote_traceback = remote_traceback
+        self.stderr_tail = stderr_tail
+
+
+def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
+           discovery_script=None, env=None, timeout=None, quiet=False, workdir=None,
+           **elasticrun_options):
+    """Run ``fn(*args, **kwargs)`` on every worker of an elastic job.
+
+    Returns the values ``fn`` returned on the workers of the final round, as a
+    list ordered by rank. ``fn`` may call ``elastic.init()`` and use
+    ``@elastic.run`` as any training script does; each worker's rank is read
+    with ``elastic.rank()`` after ``fn`` returns.
+
+    ``hosts``: ``"host:slots,..."`` (like ``-H``), a list of such entries or a
+    ``{host: slots}`` dict; or ``discovery_script``: a path (like
+    ``--host-discovery-script``). Neither: ``np`` slots on this machine.
+    ``env``: extra environment variables for the job. ``timeout``: seconds
+    before the job is stopped and ``LaunchError`` raised. ``quiet``: do not
+    pass the job's output through to ``sys.stdout``/``sys.stderr``.
+    ``workdir``: where the private temporary directory goes (shared filesystem
+    for multi-host jobs). Other keyword arguments are elasticrun flags:
+    ``elastic_timeout=60`` is ``--elastic-timeout 60``, ``verbose=True`` is
+    ``--verbose``, ``blacklist_cooldown_range=(10, 100)``, ``ssh_option=[...]``.
+
+    Bad arguments raise ``ValueError``/``TypeError`` before anything starts; a
+    failed job raises ``LaunchError`` naming the failing worker.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() needs a callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if env is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                   for k, v in dict(env).items()):
+        raise TypeError("env must map str to str")
+    flags = _elasticrun_flags(np, min_np, max_np, hosts, discovery_script, elasticrun_options)
+    child_env = _child_env(env)
+    _validate(flags)
+    try:
+        payload = pickle.dumps({
+            "sys_path": _sys_path(),
+            "call": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))),
+        }, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - cloudpickle raises many kinds
+        raise TypeError(f"cannot pickle the function or its arguments: "
+                        f"{type(exc).__name__}: {exc}") from exc
+
+    tmp = tempfile.mkdtemp(prefix="elastic-launch-", dir=workdir)   # mode 0700
+    try:
+        paths = _prepare(tmp, payload)
+        own_logs = "output_filename" not in elasticrun_options
+        log_dir = os.path.join(tmp, "logs") if own_logs else elasticrun_options["output_filename"]
+        event_log = elasticrun_options.get("event_log") or os.path.join(tmp, "events.jsonl")
+        argv = [sys.executable, "-m", "elastic.runner"] + flags
+        if own_logs:
+            argv += ["--output-filename", log_dir]
+        if "event_log" not in elasticrun_options:
+            argv += ["--event-log", event_log]
+        argv += ["--", sys.executable, "-m", "elastic.launch_worker",
+                 paths["payload"], paths["results"]]
+        code, driver_log = _run(argv, child_env, timeout, quiet)
+        job = _Outcome(paths["results"], log_dir, event_log, driver_log)
+        if code is None:
+            raise job.error(f"timed out after {timeout:g} s; the job was stopped", None)
+        return job.results(code)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- arguments ----------------------------------------------------------------------------
+
+def _elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
+    for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):
+        if (value is not None or name == "np") and (
+                isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if hosts is not None and discovery_script is not None:
+        raise ValueError("give either hosts or discovery_script, not both")
+    flags = ["-np", str(np)]
+    if min_np is not None:
+        flags += ["--min-np", str(min_np)]
+    if max_np is not None:
+        flags += ["--max-np", str(max_np)]
+    if hosts is not None:
+        flags += ["-H", _hosts_arg(hosts)]
+    if discovery_script is not None:
+        flags += ["--host-discovery-script", os.path.abspath(os.fspath(discovery_script))]
+    from .runner.cli import build_parser
+    known = build_parser()._option_string_actions
+    for key, value in options.items():
+        option = "--" + key.replace("_", "-")
+        action = known.get(option)
+        if action is None or key in ("num_proc", "min_num_proc", "max_num_proc", "hosts",
+                                     "host_discovery_script", "help"):
+            raise TypeError(f"launch() got an unexpected keyword argument {key!r}")
+        if value is None or value is False:
+            continue
+        if action.nargs == 0:                     # --verbose
+            flags.append(option)
+        elif isinstance(action, argparse._AppendAction) or action.nargs not in (None, "?"):
+            values = [value] if isinstance(value, (str, int, float)) else list(value)
+            if action.nargs not in (None, "?"):   # --blacklist-cooldown-range MIN MAX
+                flags += [option] + [str(v) for v in values]
+            else:                                 # repeatable, e.g. --ssh-option
+                for v in values:
+                    flags += [option, str(v)]
+        else:
+            flags += [option, str(os.fspath(value)) if isinstance(value, os.PathLike)
+                      else str(value)]
+    return flags
+
+
+def _hosts_arg(hosts):
+    if isinstance(hosts, str):
+        return hosts
+    if isinstance(hosts, dict):
+        return ",".join(f"{h}:{s}" for h, s in hosts.items())
+    try:
+        return ",".join(str(h) for h in hosts)
+    except TypeError:
+        raise TypeError(f"hosts must be a string, list or dict, got {type(hosts).__name__}") \
+            from None
+
+
+def _validate(flags):
+    """Check the flags the way elasticrun will, so bad ones fail before anything starts."""
+    from .runner import cli
+    command = [sys.executable, "-m", "elastic.launch_worker"]
+    try:
+        cli.config_from_args(cli.build_parser().parse_args(list(flags) + ["--"] + command))
+    except cli.UsageError as exc:
+        raise ValueError(f"elasticrun: {exc}") from None
+
+
+def _child_env(extra):
+    env = dict(os.environ)
+    env.update(extra or {})
+    # The job's processes must import this same elastic package.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([root] + parts)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _sys_path():
+    """The caller's import path, so that functions pickled by reference (defined in
+    a module of the caller's project) import on the workers too."""
+    return [os.path.abspath(p or os.curdir) for p in sys.path]
+
+
+def _prepare(tmp, payload):
+    path = os.path.join(tmp, "fn.pkl")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    results = os.path.join(tmp, RESULTS)
+    os.mkdir(results, 0o700)
+    os.mkdir(os.path.join(results, ERRORS), 0o700)
+    return {"payload": path, "results": results}
+
+
+# -- running ------------------------------------------------------------------------------
+
+def _run(argv, env, timeout, quiet):
+    """Run elasticrun; returns (exit code or None on timeout, the tail of its stderr)."""
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    errors = collections.deque(maxlen=_OUTPUT_TAIL_LINES)
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, "stdout", quiet, None),
+                              daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, "stderr", quiet, errors),
+                              daemon=True)]
+    for pump in pumps:
+        pump.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                code = proc.wait(0.1)
+                break
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() > deadline:
+                    _terminate(proc)
+                    code = None
+                    break
+    except BaseException:
+        # KeyboardInterrupt in a notebook or script: stop the job, then re-raise.
+        _terminate(proc)
+        raise
+    finally:
+        for pump in pumps:
+            pump.join(5.0)
+    return code, list(errors)
+
+
+def _pump(stream, name, quiet, keep):
+    try:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            if keep is not None:
+                keep.append(line.rstrip("\n"))
+            if not quiet:
+                target = sys.stdout if name == "stdout" else sys.stderr
+                try:
+                    target.write(line)
+                    target.flush()
+                except (OSError, ValueError):
+                    pass
+    finally:
+        stream.close()
+
+
+def _terminate(proc):
+    """SIGTERM: elasticrun stops its workers and exits; SIGKILL if it does not."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(_TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+# -- results and errors -------------------------------------------------------------------
+
+class _Outcome:
+    """What the finished job left behind: results, error records, logs, events."""
+
+    def __init__(self, results_dir, log_dir, event_log, driver_log):
+        self.results_dir = results_dir
+        self.log_dir = log_dir
+        self.events = _read_events(event_log)
+        self.driver_log = [line for line in driver_log if line.startswith("elasticrun: ")]
+
+    def results(self, code):
+        errors = [line for line in self.driver_log if line.startswith("elasticrun: error:")]
+        error_line = errors[-1] if errors else None
+        if code != 0:
+            why = error_line[len("elasticrun: error: "):] if error_line else \
+                f"elasticrun exited with code {code}"
+            return self._raise(why, error_line, code)
+        final = self._final_round()
+        if final is None:
+            rounds = sorted(int(d.split(".", 1)[1]) for d in os.listdir(self.results_dir)
+                            if d.startswith("round."))
+            if not rounds:
+                raise self.error("the job finished but no worker returned a result", code)
+            final = {"round": rounds[-1], "members": None}
+        records = self._records(final["round"])
+        members = final["members"]
+        size = len(members) if members is not None else \
+            (next(iter(records.values()))["size"] if records else 0)
+        missing = [r for r in range(size) if r not in records]
+        if missing or not size:
+            by_rank = {m["rank"]: m for m in members or []}
+            failed = by_rank.get(missing[0]) if missing else None
+            raise self.error(f"the job ended but rank(s) {missing or [0]} of its final round "
+                             f"(round {final['round']}) returned no result", code,
+                             failed and failed["worker_id"], host=failed and failed["host"])
+        return [records[r]["value"] for r in range(size)]
+
+    def _raise(self, why, error_line, code):
+        named = _WORKER_RE.search(error_line or "")
+        raise self.error(why, code, named.group(1) if named else None,
+                         host=named.group(2) if named else None, error_line=error_line)
+
+    def error(self, why, code, wid=None, host=None, error_line=None):
+        """A LaunchError about worker ``wid``: what its function raised, what
+        elasticrun said, and the tail of its stderr."""
+        records = self._error_records()
+        record = records.get(wid)
+        if record is None and records:
+            # No record from the named worker (or none named): the first worker whose
+            # function raised tells the most.
+            raiser = sorted(records, key=_id_key)[0]
+            record = records[raiser]
+            wid = raiser if wid is None else wid
+        record = record or {}
+        if record.get("worker") == wid:
+            host = host or record.get("host")
+        if wid is None:
+            lines = [why]
+        else:
+            lines = [f"worker {wid}" + (f" on {host}" if host else "") + " failed"]
+            if record:
+                lines[0] += f": {record['type']}: {record['message']}"
+                if record["worker"] != wid:
+                    lines[0] += f" (raised on worker {record['worker']})"
+            lines.append(error_line or why)
+            # What the driver said about this worker (e.g. its exit code).
+            lines.extend([line for line in self.driver_log if f"worker {wid} " in line
+                          and line != error_line][-2:])
+        tail = self._stderr_tail(wid) if wid is not None else None
+        if tail:
+            lines.append(f"--- last lines of worker {wid}'s stderr ---")
+            lines.append(tail)
+        return LaunchError(
+            "\n".join(lines), worker=wid, host=host, rank=record.get("rank"), exit_code=code,
+            error_line=error_line, exc_type=record.get("type"), exc_message=record.get("message"),
+            remote_traceback=record.get("traceback"), stderr_tail=tail)
+
+    def _final_round(self):
+        finished = [e for e in self.events if e.get("event") == "job_finished"]
+        if not finished:
+            return None
+        round_id = finished[-1].get("round")
+        members = None
+        for e in self.events:
+            if e.get("event") == "round_started" and e.get("round") == round_id:
+                members = e.get("members")
+        return {"round": round_id, "members": members}
+
+    def _records(self, round_id):
+        folder = os.path.join(self.results_dir, f"round.{round_id}")
+        records = {}
+        if not os.path.isdir(folder):
+            return records
+        for name in os.listdir(folder):
+            if not name.endswith(".pkl"):
+                continue
+            with open(os.path.join(folder, name), "rb") as f:
+                record = cloudpickle.loads(f.read())
+            records[record["rank"]] = record
+        return records
+
+    def _error_records(self):
+        folder = os.path.join(self.results_dir, ERRORS)
+        records = {}
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join(folder, name)) as f:
+                        record = json.load(f)
+                    records[str(record["worker"])] = record
+                except (OSError, ValueError, KeyError):
+                    continue
+        return records
+
+    def _stderr_tail(self, wid):
+        path = os.path.join(self.log_dir or "", f"worker.{wid}", "stderr")
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        lines = text.splitlines()[-STDERR_TAIL_LINES:]
+        return "\n".join(lines) if lines else None
+
+
+def _read_events(path):
+    events = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        return []
+    # A user's event log may hold earlier jobs: keep only this one, from its last start.
+    starts = [i for i, e in enumerate(events) if e.get("event") == "round_started"
+              and e.get("round") == 1]
+    return events[starts[-1]:] if starts else events
+
+
+def _id_key(wid):
+    return (0, int(wid), "") if str(wid).isdigit() else (1, 0, str(wid))
