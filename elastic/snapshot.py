@@ -77,9 +77,14 @@ class Snapshot:
             torch.cuda.synchronize()
         self.skeleton, self.buffers = skeleton, buffers
 
-    def materialize(self):
-        """A tree of fresh tensors, so the live state never aliases the snapshot."""
-        return join(copy.deepcopy(self.skeleton), [b.clone() for b in self.buffers])
+    def materialize(self, shared=False):
+        """A tree of fresh tensors, so the live state never aliases the snapshot.
+
+        ``shared=True`` hands out the snapshot's own buffers, for callers that
+        copy out of them anyway (``Module.load_state_dict`` does).
+        """
+        buffers = self.buffers if shared else [b.clone() for b in self.buffers]
+        return join(copy.deepcopy(self.skeleton), buffers)
 
     def nbytes(self):
         return sum(b.numel() * b.element_size() for b in self.buffers)

@@ -13,7 +13,7 @@ import torch
 
 from . import collectives, runtime
 from .exceptions import HostsUpdatedInterrupt
-from .snapshot import Snapshot, flat_specs, pack, unpack
+from .snapshot import Snapshot, flat_specs, join, pack, split, unpack
 
 _UNCOMMITTED = -1
 
@@ -103,12 +103,14 @@ class State:
             self._send(receivers)
         elif me in receivers:
             self._receive(root)
-        self._after_sync(max(newest, 0))
+        self._after_sync(max(newest, 0), received=me in receivers)
 
     # -- internals ------------------------------------------------------------------
-    def _after_sync(self, version):
+    def _after_sync(self, version, received=True):
+        """Ranks that already held the newest commit keep their snapshot: no copy."""
         self._version = version
-        self.save()
+        if received or self._snapshot.empty:
+            self.save()
 
     def _send(self, receivers):
         header, flats = pack(self.capture())
@@ -158,6 +160,11 @@ def _has_state_dict(obj):
         obj, (torch.nn.Module, torch.optim.Optimizer))
 
 
+def _cloned(tree):
+    _skeleton, tensors = split(tree)
+    return join(_skeleton, [t.clone() for t in tensors])
+
+
 class TorchState(ObjectState):
     """A model, its optimizer, samplers and any picklable objects, as attributes.
 
@@ -174,6 +181,17 @@ class TorchState(ObjectState):
         self.optimizer = optimizer
         from .checkpoint import resolve
         self._checkpoint = resolve(checkpoint)
+
+    def restore(self):
+        """Load the model straight from the snapshot (load_state_dict copies);
+        the rest (the optimizer keeps the tensors it is given) gets copies."""
+        if self._snapshot.empty:
+            return
+        tree = self._snapshot.materialize(shared=True)
+        for key in tree:
+            if key != "model":
+                tree[key] = _cloned(tree[key])
+        self.apply(tree)
 
     def capture(self):
         tree = {"objects": {}}
