@@ -8,6 +8,7 @@ from .collectives import (
 )
 from .exceptions import ElasticError, HostsUpdatedInterrupt, WorkersDepartedError
 from .global_batch import GlobalBatch, MicroBatch
+from .launch import LaunchError, launch
 from .lr_scaling import LRScaler
 from .optimizer import Compression, DistributedOptimizer
 from .progress import report_progress
@@ -27,5 +28,5 @@ __all__ = [
     "WorkersDepartedError", "run", "cross_rank", "cross_size", "init", "is_initialized",
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
     "State", "TorchState", "report_progress", "Compression", "DistributedOptimizer",
-    "LRScaler", "GlobalBatch", "MicroBatch", "Checkpointer",
+    "LRScaler", "GlobalBatch", "MicroBatch", "Checkpointer", "launch", "LaunchError",
 ]

@@ -184,7 +184,7 @@ class Worker:
             self._build_groups(round_id)
         except WorkersDepartedError:
             self.report_failure()
-            self.membership = None
+            self._drop_groups()
             return False
         if not self.ever_member:
             _export_membership(self.membership)
@@ -220,6 +220,15 @@ class Worker:
             raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
         self.cpu_group = result["cpu"]
         self.device_group = result.get("device", self.cpu_group)
+        # A group is usable only once every peer finished connecting: without this
+        # a peer that returns at once (and exits) breaks the others' set-up.
+        from . import collectives
+        probe = torch.zeros(1)
+        try:
+            work = self.cpu_group.allreduce([probe])
+        except Exception as exc:  # noqa: BLE001
+            raise WorkersDepartedError(f"process group for round {round_id}: {exc}") from exc
+        collectives.wait(work, "group check", self)
 
     def _drop_groups(self):
         """Abandon the old groups without draining them; keep references so

@@ -1,9 +1,10 @@
 """Host-memory snapshots of nested state, and their per-dtype flat form.
 
 A state is a tree of dicts, lists and tuples whose leaves are tensors or
-plain values. Snapshots keep one preallocated buffer per tensor and copy into
-it on every commit, because a fresh allocation pays for page faults
-(DESIGN §6). Transfers flatten tensors per dtype into a few large buffers.
+plain values. Snapshots keep one preallocated flat buffer per dtype, with a
+view per tensor, and copy into the views on every commit, because a fresh
+allocation pays for page faults (DESIGN §6). Transfers use the same per-dtype
+flat form, so a sync sends a snapshot's flats as they are.
 """
 
 import copy
@@ -54,15 +55,36 @@ def join(skeleton, tensors):
 
 
 class Snapshot:
-    """The last committed copy of a state tree, kept in reusable host buffers."""
+    """The last committed copy of a state tree, kept in reusable host buffers.
+
+    The tensors live in one flat buffer per dtype (in order of first appearance);
+    ``buffers`` holds a view into it per tensor. A commit copies into the views,
+    so nothing is allocated while the layout stays the same, and a sync sends the
+    flat buffers as they are and receives into them (``header``, ``flats``,
+    ``receive_buffers``, ``install``).
+
+    ``buffers`` is a list others may edit: a checkpoint writer that still reads
+    ``buffers[i]`` swaps a spare tensor in (elastic.checkpoint). The flats only
+    stand for the snapshot while every buffer is still its own view (``intact``).
+    """
 
     def __init__(self):
         self.skeleton = None
         self.buffers = []
+        self._flats = []      # one per dtype
+        self._views = []      # per tensor: its view into the flats, as allocated
+        self._layout = []     # per tensor: (dtype name, shape, offset in its dtype's flat)
+        self._specs = []      # per flat: (dtype name, numel)
 
     @property
     def empty(self):
         return self.skeleton is None
+
+    @property
+    def intact(self):
+        """Whether the flats hold the snapshot (no buffer was swapped out)."""
+        return len(self.buffers) == len(self._views) and all(
+            b is v for b, v in zip(self.buffers, self._views))
 
     def save(self, tree):
         skeleton, tensors = split(tree)
@@ -70,12 +92,14 @@ class Snapshot:
         if len(buffers) != len(tensors) or any(
             b.shape != t.shape or b.dtype != t.dtype for b, t in zip(buffers, tensors)
         ):
-            buffers = [_host_buffer(t) for t in tensors]
+            pin = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
+            self._allocate(_layout_of(tensors), pin)
+            buffers = self.buffers
         for buf, t in zip(buffers, tensors):
             buf.copy_(t, non_blocking=True)
         if any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()
-        self.skeleton, self.buffers = skeleton, buffers
+        self.skeleton = skeleton
 
     def materialize(self, shared=False):
         """A tree of fresh tensors, so the live state never aliases the snapshot.
@@ -89,10 +113,64 @@ class Snapshot:
     def nbytes(self):
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
+    # -- transfers ----------------------------------------------------------------------------
+    def header(self):
+        """The bytes that describe ``flats()`` to a receiver (the format of ``pack``)."""
+        return pickle.dumps({"skeleton": self.skeleton, "layout": self._layout,
+                             "flats": self._specs})
 
-def _host_buffer(t):
-    pin = t.is_cuda and torch.cuda.is_available()
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    def flats(self):
+        """The flat buffers, or None while they do not hold the snapshot (see ``intact``)."""
+        return list(self._flats) if not self.empty and self.intact else None
+
+    def receive_buffers(self, header):
+        """Flat buffers to receive a sender's ``header``/``flats()`` into: this snapshot's
+        own when the layout matches and they are intact (the caller must own them: no
+        checkpoint writer reading them), otherwise new ones. Then ``install``."""
+        meta = pickle.loads(header)
+        if meta["layout"] == self._layout and meta["flats"] == self._specs and self.intact \
+                and self._flats:
+            return list(self._flats)
+        return [torch.empty(n, dtype=_dtype(d)) for d, n in meta["flats"]]
+
+    def install(self, header, flats):
+        """Make the received ``flats`` (from ``receive_buffers``) this snapshot."""
+        meta = pickle.loads(header)
+        if not (len(flats) == len(self._flats) and all(
+                a is b for a, b in zip(flats, self._flats))):
+            self._set_flats(meta["layout"], meta["flats"], flats)
+        self.skeleton = meta["skeleton"]
+
+    def discard(self):
+        """Forget the snapshot and drop its buffers (e.g. after a failed receive into them)."""
+        self.__init__()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _allocate(self, layout, pin):
+        totals = {}
+        for d, shape, offset in layout:
+            totals[d] = max(totals.get(d, 0), offset + _numel(shape))
+        specs = list(totals.items())
+        flats = [torch.empty(n, dtype=_dtype(d), pin_memory=pin) for d, n in specs]
+        self._set_flats(layout, specs, flats)
+
+    def _set_flats(self, layout, specs, flats):
+        by_name = {d: f for (d, _n), f in zip(specs, flats)}
+        self._views = [by_name[d][offset: offset + _numel(shape)].view(shape)
+                       for d, shape, offset in layout]
+        self._flats, self._layout, self._specs = list(flats), list(layout), list(specs)
+        self.buffers = list(self._views)
+
+
+def _layout_of(tensors):
+    """Per tensor (dtype name, shape, offset in its dtype's flat); flats in order of first use."""
+    filled, layout = {}, []
+    for t in tensors:
+        d = str(t.dtype)
+        offset = filled.get(d, 0)
+        filled[d] = offset + t.numel()
+        layout.append((d, tuple(t.shape), offset))
+    return layout
 
 
 def pack(tree):

@@ -12,8 +12,8 @@ import copy
 import torch
 
 from . import collectives, runtime
-from .exceptions import HostsUpdatedInterrupt
-from .snapshot import Snapshot, flat_specs, join, pack, split, unpack
+from .exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from .snapshot import Snapshot, join, pack, split
 
 _UNCOMMITTED = -1
 
@@ -107,35 +107,75 @@ class State:
 
     # -- internals ------------------------------------------------------------------
     def _after_sync(self, version, received=True):
-        """Ranks that already held the newest commit keep their snapshot: no copy."""
+        """Ranks that already held the newest commit keep their snapshot, and receivers
+        received straight into theirs (``_receive``): no copy either way."""
         self._version = version
-        if received or self._snapshot.empty:
+        if self._snapshot.empty:
             self.save()
 
     def _send(self, receivers):
-        header, flats = pack(self.capture())
+        """Send the snapshot's flat buffers as they are, to every receiver at once.
+
+        The live state equals the last commit whenever the run loop syncs (after a
+        restore, or at the commit that raised HostsUpdatedInterrupt), so the snapshot
+        is what to send; before any commit the live state is the truth: save it first.
+        """
+        snap = self._snapshot
+        if self._version == _UNCOMMITTED or snap.empty:
+            self.save()
+        flats = snap.flats()
+        if flats is None:   # a checkpoint writer holds some buffers' places: pack a copy
+            header, flats = pack(snap.materialize(shared=True))
+        else:
+            header = snap.header()
         header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         length = torch.tensor([header_t.numel()], dtype=torch.int64)
-        for dst in receivers:
-            collectives.send(length, dst)
-            collectives.send(header_t, dst)
-            for flat in flats:
-                if flat.numel():
-                    collectives.send(flat, dst)
-                    self.sync_stats["bytes_sent"] += flat.numel() * flat.element_size()
+        w = runtime.worker()
+        for tensor in [length, header_t] + [f for f in flats if f.numel()]:
+            works = [_issue_send(w, tensor, dst) for dst in receivers]
+            for work in works:
+                collectives.wait(work, "send", w)
+            if tensor.numel() and tensor is not length and tensor is not header_t:
+                self.sync_stats["bytes_sent"] += \
+                    tensor.numel() * tensor.element_size() * len(receivers)
 
     def _receive(self, root):
+        """Receive into the snapshot's own flat buffers when the layout matches (memory
+        already touched), else into new ones; then load the live objects from it."""
         length = collectives.recv(torch.zeros(1, dtype=torch.int64), root)
         header_t = collectives.recv(torch.empty(int(length), dtype=torch.uint8), root)
         header = header_t.numpy().tobytes()
-        flats = []
-        for dtype, numel in flat_specs(header):
-            flat = torch.empty(numel, dtype=dtype)
-            if numel:
-                collectives.recv(flat, root)
-                self.sync_stats["bytes_received"] += flat.numel() * flat.element_size()
-            flats.append(flat)
-        self.apply(unpack(header, flats))
+        snap = self._snapshot
+        if self._checkpoint is not None:
+            self._checkpoint.before_save(self)   # never receive into what the writer reads
+        flats = snap.receive_buffers(header)
+        own = snap.flats()
+        in_place = own is not None and len(own) == len(flats) and all(
+            a is b for a, b in zip(own, flats))
+        try:
+            for flat in flats:
+                if flat.numel():
+                    collectives.recv(flat, root)
+                    self.sync_stats["bytes_received"] += flat.numel() * flat.element_size()
+        except BaseException:
+            if in_place:
+                # The snapshot is partly overwritten (and an abandoned receive may still
+                # write into it): drop it, and snapshot the live state again, which is
+                # still the last commit (the run loop syncs after a restore or a commit).
+                was_committed = self._version != _UNCOMMITTED
+                snap.discard()
+                if was_committed:
+                    self.save()
+            raise
+        snap.install(header, flats)
+        self.restore()
+
+
+def _issue_send(w, tensor, dst):
+    try:
+        return w.cpu_group.send([tensor], dst, 0)
+    except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
+        raise WorkersDepartedError(f"send failed: {exc}") from exc
 
 
 class ObjectState(State):

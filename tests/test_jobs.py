@@ -167,3 +167,11 @@ def test_cooldown_brings_a_blacklisted_host_back(tmp_path):
     job.assert_ok(job.finish(), final_size=2)
     assert sizes_in_order(job.steps())[:2] == [2, 1]
     assert "back from the blacklist" in job.output()
+
+
+def test_a_final_round_worker_failing_before_the_others_finish_fails_the_job(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:1,127.0.0.1:1"],
+              script=__import__("jobs").REPO / "tests" / "workloads" / "exit_after_training.py")
+    code = job.run()
+    assert code != 0, job.output()
+    assert "exited with code 4" in job.output()

@@ -94,6 +94,7 @@ class Driver:
         self.failure_report_at = None
         self.final_round = None
         self.final_codes = {}
+        self.failed_exits = {}     # worker id -> non-zero exit code
         self.started = time.monotonic()
         self.short_since = None
         self._last_heartbeat_check = 0.0
@@ -183,6 +184,7 @@ class Driver:
                 self._start_finishing(done["round"] if done else self.round_id)
                 self.final_codes[wid] = code
             elif kind is ExitKind.FAILED:
+                self.failed_exits[wid] = code
                 self._host_failed(w, f"worker {wid} on {w.host} exited with code {code}", now)
             elif kind is ExitKind.REMOVED:
                 log.debug("worker %s left (removed from the job)", wid)
@@ -192,6 +194,8 @@ class Driver:
         self.final_round = round_id
         log.info("training finished in round %d; waiting for its workers to exit", round_id)
         finals = set(self.rounds.get(round_id, ()))
+        for wid in finals & self.failed_exits.keys():
+            self.final_codes[wid] = self.failed_exits[wid]   # failed before the others finished
         for wid, w in self.workers.items():
             if wid not in finals:
                 self._stop(w)
@@ -266,11 +270,21 @@ class Driver:
             beat = self.control.counter(Keys.heartbeat(w.worker_id))
             if beat != w.heartbeat:
                 w.heartbeat, w.heartbeat_at = beat, now
+            elif (not beat and not w.ready and self.round_id
+                  and now - w.started > self._startup_timeout()):
+                self._stop(w)
+                self.events.emit("worker_evicted", worker=w.worker_id, host=w.host)
+                self._host_failed(w, f"worker {w.worker_id} on {w.host} did not start within "
+                                     f"{self._startup_timeout():.0f} s; evicted", now)
             elif beat and now - w.heartbeat_at > self.cfg.worker_timeout:
                 self._stop(w)
                 self.events.emit("worker_evicted", worker=w.worker_id, host=w.host)
                 self._host_failed(w, f"worker {w.worker_id} on {w.host} sent no heartbeat for "
                                      f"{self.cfg.worker_timeout:.0f} s; evicted", now)
+
+    def _startup_timeout(self):
+        """A process that never reaches elastic.init() (a hung import) is evicted too."""
+        return max(120.0, 4 * self.cfg.worker_timeout)
 
     def _check_failure_reports(self, now):
         """A worker saw a collective fail but no process died (yet): re-form the round."""
