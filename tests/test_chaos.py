@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from procs import environ as _environ
+
 from jobs import Job
 
 pytestmark = pytest.mark.slow
@@ -37,11 +39,6 @@ SEEDS = [int(os.environ["CHAOS_SEED"])] if os.environ.get("CHAOS_SEED") else [10
 _ROUND_LINE = re.compile(r"^elasticrun: round (\d+): (\d+) workers", re.M)
 
 
-def _environ(pid):
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        raw = f.read()
-    return dict(item.decode(errors="replace").split("=", 1)
-                for item in raw.split(b"\0") if b"=" in item)
 
 
 def _alive(pid):

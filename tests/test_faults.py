@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from procs import environ as _environ
+
 from harness import REPO, free_port, publish_round
 from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, \
     sizes_in_order
@@ -33,11 +35,6 @@ HOST3 = socket.gethostname() if socket.gethostname() not in ("localhost", "127.0
 
 
 # -- processes, found the way an operator would: through /proc -----------------------
-def _environ(pid):
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        raw = f.read()
-    return dict(item.decode(errors="replace").split("=", 1)
-                for item in raw.split(b"\0") if b"=" in item)
 
 
 def proc_state(pid):

@@ -17,7 +17,6 @@ import torch
 import elastic
 from elastic import runtime
 from elastic.collectives import Average, Sum
-from elastic.control import ENV_ADDR
 from elastic.sampler import ElasticSampler
 from harness import check_ok, run_workers
 from jobs import REPO, Job, sizes_in_order
@@ -25,12 +24,6 @@ from jobs import REPO, Job, sizes_in_order
 slow = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def standalone(monkeypatch):
-    monkeypatch.delenv(ENV_ADDR, raising=False)
-    runtime.shutdown()
-    yield
-    runtime.shutdown()
 
 
 def ranks(n, size, g, state=None, **kw):

@@ -6,17 +6,9 @@ import pytest
 import torch
 
 import elastic
-from elastic import runtime
-from elastic.control import ENV_ADDR
 from elastic.lr_scaling import LRScaler, scale_factor
 
 
-@pytest.fixture(autouse=True)
-def standalone(monkeypatch):
-    monkeypatch.delenv(ENV_ADDR, raising=False)
-    runtime.shutdown()
-    yield
-    runtime.shutdown()
 
 
 class World:

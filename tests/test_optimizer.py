@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from elastic import collectives, runtime
-from elastic.control import ENV_ADDR
 from elastic.exceptions import WorkersDepartedError
 from elastic.optimizer import Compression, DistributedOptimizer
 
@@ -144,12 +143,6 @@ def _load_worker_module(path):
     return module
 
 
-@pytest.fixture(autouse=True)
-def standalone(monkeypatch):
-    monkeypatch.delenv(ENV_ADDR, raising=False)
-    runtime.shutdown()
-    yield
-    runtime.shutdown()
 
 
 # -- standalone (size 1) --------------------------------------------------------------------------

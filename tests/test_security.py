@@ -17,6 +17,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
+from procs import environ as _environ
 import torch.distributed as dist
 
 from harness import free_port
@@ -27,11 +29,6 @@ from elastic.control import ControlError, ControlStore, Keys
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _environ(pid):
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        raw = f.read()
-    return dict(item.decode(errors="replace").split("=", 1)
-                for item in raw.split(b"\0") if b"=" in item)
 
 
 def _cmdline(pid):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from elastic import runtime
-from elastic.control import ENV_ADDR
 from elastic.sampler import ElasticSampler
 from elastic.state import ObjectState, State, TorchState
 
@@ -20,12 +19,6 @@ from harness import check_ok, run_workers  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "workloads" / "state_sync_worker.py"
 
 
-@pytest.fixture(autouse=True)
-def standalone(monkeypatch):
-    monkeypatch.delenv(ENV_ADDR, raising=False)
-    runtime.shutdown()
-    yield
-    runtime.shutdown()
 
 
 # -- helpers ----------------------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""Look at processes the way an operator would: through /proc."""
+
+
+def environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read()
+    return dict(item.decode(errors="replace").split("=", 1)
+                for item in raw.split(b"\0") if b"=" in item)
+
+
+def state(pid):
+    """The /proc state letter of ``pid`` (R, S, T...), or None once it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if letter in ("Z", "X") else letter
+
+
+def alive(pid):
+    return state(pid) is not None
+
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
