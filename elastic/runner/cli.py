@@ -66,7 +66,7 @@ def build_parser():
                         "elastic/runner/remote.py from this same path (standard library "
                         "only; the package must sit at the same path there, e.g. a shared "
                         "filesystem). Default python3")
-    p.add_argument("--network-interface", metavar="IF",
+    p.add_argument("--network-interface", "--network-interfaces", metavar="IF",
                    help="remote workers reach the driver's store at this interface's IPv4 "
                         "address (default: the address this machine uses towards each "
                         "host); workers get GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME=IF")
