@@ -13,7 +13,7 @@ import torch
 
 from . import collectives, runtime
 from .exceptions import HostsUpdatedInterrupt, WorkersDepartedError
-from .snapshot import Snapshot, join, pack, split
+from .snapshot import Snapshot, host_clone, join, pack, split
 
 _UNCOMMITTED = -1
 
@@ -114,20 +114,12 @@ class State:
             self.save()
 
     def _send(self, receivers):
-        """Send the snapshot's flat buffers as they are, to every receiver at once.
+        """Send the live state, flattened per dtype, to every receiver at once.
 
-        The live state equals the last commit whenever the run loop syncs (after a
-        restore, or at the commit that raised HostsUpdatedInterrupt), so the snapshot
-        is what to send; before any commit the live state is the truth: save it first.
+        Live, not the snapshot: reset callbacks (an lr rescaled for the new world
+        size, say) run after the last commit, and the newcomer must see their effect.
         """
-        snap = self._snapshot
-        if self._version == _UNCOMMITTED or snap.empty:
-            self.save()
-        flats = snap.flats()
-        if flats is None:   # a checkpoint writer holds some buffers' places: pack a copy
-            header, flats = pack(snap.materialize(shared=True))
-        else:
-            header = snap.header()
+        header, flats = pack(self.capture())
         header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         length = torch.tensor([header_t.numel()], dtype=torch.int64)
         w = runtime.worker()
@@ -202,7 +194,7 @@ def _has_state_dict(obj):
 
 def _cloned(tree):
     _skeleton, tensors = split(tree)
-    return join(_skeleton, [t.clone() for t in tensors])
+    return join(_skeleton, [host_clone(t) for t in tensors])
 
 
 class TorchState(ObjectState):

@@ -273,3 +273,82 @@ def test_pack_unpack_without_tensors_and_with_only_empty_tensors():
     header, flats = pack(tree)
     assert flat_specs(header) == [(torch.float64, 0)]
     assert_tree_equal(tree, unpack(header, _transport(header, flats)))
+
+
+# -- flat snapshots and transfers straight from / into them ---------------------------------------
+def _fill(tree, value):
+    _, tensors = split(tree)
+    for t in tensors:
+        t.fill_(value)
+    return tree
+
+
+def test_snapshot_buffers_are_views_into_one_flat_per_dtype():
+    tree = _tree()
+    snap = Snapshot()
+    snap.save(tree)
+    flats = snap.flats()
+    assert [f.dtype for f in flats] == list(dict.fromkeys(b.dtype for b in snap.buffers))
+    storages = {f.dtype: f.untyped_storage().data_ptr() for f in flats}
+    for b in snap.buffers:
+        assert b.untyped_storage().data_ptr() == storages[b.dtype]
+    assert sum(f.numel() * f.element_size() for f in flats) == snap.nbytes()
+    # The header describes the flats in pack()'s format: unpack rebuilds the tree.
+    assert flat_specs(snap.header()) == [(f.dtype, f.numel()) for f in flats]
+    assert_tree_equal(tree, unpack(snap.header(), flats))
+    # A commit copies into the same flats.
+    snap.save(_fill(_tree(), 1))
+    assert all(a is b for a, b in zip(flats, snap.flats()))
+    assert all(bool((b == 1).all()) for b in snap.buffers)
+
+
+def test_receive_into_own_flats_when_layout_matches_else_new_ones():
+    sender, receiver = Snapshot(), Snapshot()
+    sender.save(_tree())
+    receiver.save(_fill(_tree(), 0))
+    own = receiver.flats()
+    flats = receiver.receive_buffers(sender.header())
+    assert all(a is b for a, b in zip(flats, own))
+    for dst, src in zip(flats, sender.flats()):
+        dst.copy_(src)
+    receiver.install(sender.header(), flats)
+    assert all(a is b for a, b in zip(receiver.flats(), own))
+    assert_tree_equal(sender.materialize(), receiver.materialize())
+    # Another layout: new buffers, and the snapshot takes the sender's layout.
+    other = Snapshot()
+    other.save({"x": torch.zeros(7), "n": 3})
+    flats = other.receive_buffers(sender.header())
+    assert not any(a is b for a, b in zip(flats, other.flats()))
+    for dst, src in zip(flats, sender.flats()):
+        dst.copy_(src)
+    other.install(sender.header(), flats)
+    assert other.intact
+    assert_tree_equal(sender.materialize(), other.materialize())
+    other.save(_fill(_tree(), 2))      # commits reuse the installed flats
+    assert all(a is b for a, b in zip(other.flats(), flats))
+
+
+def test_swapped_buffer_makes_flats_unavailable_until_reallocated():
+    snap = Snapshot()
+    snap.save(_tree())
+    retired = snap.buffers[0]
+    snap.buffers[0] = torch.empty_like(retired)    # what a checkpoint writer's swap does
+    assert not snap.intact and snap.flats() is None
+    other = Snapshot()
+    other.save(_tree())
+    # Never receive into flats a writer may still read.
+    assert not any(a is b for a, b in zip(snap.receive_buffers(other.header()), snap._flats))
+    snap.save(_fill(_tree(), 3))
+    assert bool((snap.buffers[0] == 3).all()) and not bool((retired == 3).all())
+    snap.discard()
+    assert snap.empty and snap.buffers == [] and snap.flats() is None
+
+
+def test_large_buffers_and_clones_are_plain_tensors():
+    from elastic.snapshot import host_clone, host_empty
+    t = host_empty(3 << 20, torch.float32)
+    assert t.shape == (3 << 20,) and t.dtype == torch.float32
+    src = torch.randn(5 << 20)
+    c = host_clone(src)
+    assert_bitwise(c, src)
+    assert c.data_ptr() != src.data_ptr()

@@ -47,7 +47,8 @@ def train(state):
             with open(f"{OUT}/sizes.{os.environ['HOROVOD_HOSTNAME']}.txt", "a") as f:
                 f.write(f"{hvd.size()}\n")
             if state.batch == 8:
-                while not os.path.exists(f"{OUT}/go"):   # hold until the test adds hosts
+                # Hold until the test adds hosts; rank 0 decides so all ranks agree.
+                while not hvd.broadcast_object(os.path.exists(f"{OUT}/go"), root_rank=0):
                     state.commit()
             state.commit()
 
