@@ -17,11 +17,13 @@ def test_event_log_records_rounds_failures_pauses_and_progress(tmp_path):
     events = [json.loads(line) for line in log.read_text().splitlines()]
     kinds = [e["event"] for e in events]
     for kind in ("round_started", "worker_ready", "worker_failed", "host_blacklisted", "pause",
-                 "job_finished"):
+                 "progress", "job_finished"):
         assert kind in kinds, kinds
     rounds = [e for e in events if e["event"] == "round_started"]
     assert [r["size"] for r in rounds] == [4, 2]
     assert {m["host"] for m in rounds[1]["members"]} == {"localhost"}
+    progress = [e for e in events if e["event"] == "progress"]
+    assert all(e["step"] >= 1 for e in progress)
     pause = next(e for e in events if e["event"] == "pause")
     assert pause["round"] == 2 and 0 < pause["seconds"] < 120
     assert [e["worker"] for e in events if e["event"] == "worker_ready"].__len__() == 4

@@ -46,6 +46,7 @@ class RoundReporter:
         self._progress_wid = None
         self._last_progress = None    # (step, at)
         self._last_print = 0.0
+        self._last_seen_at = None
 
     def round_started(self, round_id, members, change, now):
         self.flush()
@@ -81,22 +82,25 @@ class RoundReporter:
         self._poll_progress(now)
 
     def _poll_progress(self, now):
+        """Every new report goes to the event log; the console gets a line every 10 s."""
         if self._progress_wid is None:
             return
         value = self.control.get(Keys.progress(self._progress_wid))
-        if value is None or "step" not in value:
+        if value is None or "step" not in value or value.get("at") == self._last_seen_at:
             return
+        self._last_seen_at = value.get("at")
         step = value["step"]
         last = self._last_progress
+        extra = {k: v for k, v in value.items() if k not in ("at", "round")}
         if last is None or step < last[0]:
             self._last_progress = (step, now)
             self._last_print = now
+            self.events.emit("progress", rate=None, **extra)
             return
+        rate = (step - last[0]) / (now - last[1]) if now > last[1] else 0.0
+        self.events.emit("progress", rate=round(rate, 3), **extra)
         if now - self._last_print < PROGRESS_EVERY_S or step == last[0]:
             return
-        rate = (step - last[0]) / (now - last[1])
         self._last_print = now
         self._last_progress = (step, now)
-        extra = {k: v for k, v in value.items() if k not in ("at", "round")}
         log.info("progress: step %s, %.1f steps/s", step, rate)
-        self.events.emit("progress", rate=round(rate, 3), **extra)

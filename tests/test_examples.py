@@ -1,0 +1,39 @@
+"""The training examples run here with no downloads, alone and under elasticrun."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jobs import REPO
+
+
+def _run(args, tmp_path, timeout=240):
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+
+
+@pytest.mark.slow
+def test_cnn_example_learns_and_resumes_from_its_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = _run([sys.executable, "examples/train_cnn.py", "--epochs", "2",
+                  "--checkpoint-dir", str(ckpt)], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    accuracy = float(first.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
+    assert accuracy > 0.5, first.stdout          # four classes: chance is 0.25
+    assert list(ckpt.glob("ckpt-*.json"))
+    again = _run([sys.executable, "examples/train_cnn.py", "--epochs", "3",
+                  "--checkpoint-dir", str(ckpt)], tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from checkpoint" in again.stderr + again.stdout
+    assert "epoch 0:" not in again.stdout and "epoch 2:" in again.stdout
+
+
+@pytest.mark.slow
+def test_cnn_example_under_elasticrun(tmp_path):
+    run = _run([sys.executable, "-m", "elastic.runner", "-np", "2", "-H",
+                "localhost:1,127.0.0.1:1", sys.executable, "examples/train_cnn.py",
+                "--epochs", "1"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "epoch 0: 2 workers" in run.stdout
