@@ -163,9 +163,9 @@ class Sshd:
 
 
 def remote_loopback_addresses(count):
-    """Loopback addresses that elasticrun does not treat as this machine."""
+    """Loopback addresses that elasticrun treats as remote under ELASTIC_SSH_LOOPBACK=1."""
     names = launcher.local_names()
-    found = [a for a in CANDIDATES if not launcher.is_local(a, names)]
+    found = [a for a in CANDIDATES if not launcher.is_local(a, names, ssh_loopback=True)]
     return found[:count]
 
 

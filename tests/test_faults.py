@@ -28,8 +28,8 @@ from elastic.control import ControlStore, Keys
 pytestmark = pytest.mark.slow
 
 GONE_WITHIN_S = 10
-# A third host that is still this machine: the launcher now sends other loopback
-# addresses (127.0.0.2) through ssh, so the machine's own name stands in for it.
+# A third host that is this machine too: its own name, which works whether or not
+# ELASTIC_SSH_LOOPBACK sends 127.0.0.2 and up through ssh.
 HOST3 = socket.gethostname() if socket.gethostname() not in ("localhost", "127.0.0.1") \
     else socket.getfqdn()
 

@@ -127,10 +127,15 @@ def test_bootstrap_uses_the_control_plane_names():
 
 def test_only_this_machine_is_local():
     names = launcher.local_names()
-    for host in ("localhost", "127.0.0.1", "::1", "[::1]", socket.gethostname()):
-        assert launcher.is_local(host, names), host
-    for host in ("127.0.0.2", "127.0.0.3", "10.255.1.2", "no-such-host.invalid"):
-        assert not launcher.is_local(host, names), host
+    for host in ("localhost", "127.0.0.1", "::1", "[::1]", socket.gethostname(), "127.0.0.2"):
+        assert launcher.is_local(host, names, ssh_loopback=False), host
+    for host in ("10.255.1.2", "no-such-host.invalid"):
+        assert not launcher.is_local(host, names, ssh_loopback=False), host
+    # The switch the ssh tests use: other loopback addresses become remote hosts.
+    for host in ("localhost", "127.0.0.1", "::1", socket.gethostname()):
+        assert launcher.is_local(host, names, ssh_loopback=True), host
+    for host in ("127.0.0.2", "127.0.0.3", "10.255.1.2"):
+        assert not launcher.is_local(host, names, ssh_loopback=True), host
 
 
 def test_interface_address():
@@ -276,7 +281,8 @@ def test_bootstrap_kills_the_worker_when_its_stdin_ends(tmp_path):
 # -- real jobs through a real sshd --------------------------------------------------------------
 
 def remote_job(tmp_path, sshd, args, env=None):  # noqa: F811
-    return Job(tmp_path, list(sshd.args) + list(args), env=env)
+    return Job(tmp_path, list(sshd.args) + list(args),
+               env=dict(env or {}, ELASTIC_SSH_LOOPBACK="1"))
 
 
 @pytest.fixture

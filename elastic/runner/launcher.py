@@ -103,14 +103,22 @@ def _normal_ip(host):
         return None
 
 
-def is_local(host, names=None):
-    """True for this machine's own names and addresses; 127.0.0.2 and the like
-    (other loopback addresses) are remote and go through ssh."""
+def is_local(host, names=None, ssh_loopback=None):
+    """True for this machine's own names and addresses, and for any loopback
+    address (127.x.x.x, ::1). With ``ssh_loopback`` (or ELASTIC_SSH_LOOPBACK=1)
+    loopback addresses other than 127.0.0.1 and ::1 go through ssh instead,
+    which lets one machine test the remote path against a local sshd."""
     names = names if names is not None else local_names()
     if host in names:
         return True
     ip = _normal_ip(host)
-    return ip is not None and ip in {_normal_ip(n) for n in names}
+    if ip is None:
+        return False
+    if ssh_loopback is None:
+        ssh_loopback = os.environ.get("ELASTIC_SSH_LOOPBACK") == "1"
+    if not ssh_loopback and ipaddress.ip_address(ip).is_loopback:
+        return True
+    return ip in {_normal_ip(n) for n in names}
 
 
 def source_address(host):
