@@ -6,8 +6,7 @@ membership once the function has returned (``elastic.rank()``): a worker that
 finished in the final round files its result under that round. If loading or
 running the function raises, the worker writes ``RESULTS/errors/<worker>.json``
 (type, message, traceback) for the caller's ``LaunchError`` and re-raises, so
-it exits non-zero as any failed training script does. Workers of a round leave
-together (a barrier), so none exits while a peer still builds the round's group.
+it exits non-zero as any failed training script does.
 """
 
 import json
@@ -98,14 +97,6 @@ def main(argv=None):
     folder = os.path.join(results_dir, f"round.{round_id}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     _write_atomic(os.path.join(folder, f"{rank}.pkl"), data)
-    if worker is not None and size > 1:
-        # Leave together: a worker that exits while a peer is still building the
-        # round's process group breaks that peer's group, and the peer would then
-        # wait for a round that never comes. A peer that failed ends the wait.
-        try:
-            elastic.barrier()
-        except Exception:  # noqa: BLE001 - our result is written; the driver judges peers
-            pass
     return 0
 
 

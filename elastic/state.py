@@ -103,10 +103,10 @@ class State:
             self._send(receivers)
         elif me in receivers:
             self._receive(root)
-        self._after_sync(max(newest, 0), received=me in receivers)
+        self._after_sync(max(newest, 0))
 
     # -- internals ------------------------------------------------------------------
-    def _after_sync(self, version, received=True):
+    def _after_sync(self, version):
         """Ranks that already held the newest commit keep their snapshot, and receivers
         received straight into theirs (``_receive``): no copy either way."""
         self._version = version

@@ -25,3 +25,20 @@ def alive(pid):
 def cmdline(pid):
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def job_workers(out):
+    """{pid: environ} of the live worker processes whose JOB_OUT is ``out``."""
+    import os
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            env = environ(pid)
+        except OSError:
+            continue
+        if env.get("JOB_OUT") == str(out) and "ELASTIC_WORKER_ID" in env and alive(pid):
+            found[pid] = env
+    return found

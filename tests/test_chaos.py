@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from procs import environ as _environ
-
+from procs import alive as _alive
 from jobs import Job
+from procs import job_workers
 
 pytestmark = pytest.mark.slow
 
@@ -41,26 +41,9 @@ _ROUND_LINE = re.compile(r"^elasticrun: round (\d+): (\d+) workers", re.M)
 
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def worker_pid(job, worker_id):
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = _environ(int(name))
-        except OSError:
-            continue
-        if env.get("JOB_OUT") == str(job.out) and env.get("ELASTIC_WORKER_ID") == worker_id \
-                and _alive(int(name)):
-            return int(name)
-    return None
+    return next((pid for pid, env in job_workers(job.out).items()
+                 if env.get("ELASTIC_WORKER_ID") == worker_id), None)
 
 
 def latest_round(job):

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from procs import environ as _environ
+from procs import job_workers
+from procs import state as proc_state
 
 from harness import REPO, free_port, publish_round
 from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, \
@@ -35,33 +36,6 @@ HOST3 = socket.gethostname() if socket.gethostname() not in ("localhost", "127.0
 
 
 # -- processes, found the way an operator would: through /proc -----------------------
-
-
-def proc_state(pid):
-    """The /proc state letter of ``pid`` (R, S, T...), or None once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    return None if state in ("Z", "X") else state
-
-
-def job_workers(out):
-    """{pid: environ} of the live worker processes whose JOB_OUT is ``out``."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        try:
-            env = _environ(pid)
-        except OSError:
-            continue
-        if env.get("JOB_OUT") == str(out) and "ELASTIC_WORKER_ID" in env \
-                and proc_state(pid) is not None:
-            found[pid] = env
-    return found
 
 
 def argv0(pid):

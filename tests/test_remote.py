@@ -172,10 +172,14 @@ def test_the_secret_travels_in_the_spec_not_the_env():
 
 
 def test_ssh_exit_codes_say_what_they_mean():
-    code = launcher.SshExit(255, "ssh failure: Connection refused")
-    assert code == 255 and code != 0 and isinstance(code, int)
-    assert f"exited with code {code}" == "exited with code 255 (ssh failure: Connection refused)"
-    assert json.loads(json.dumps({"c": code})) == {"c": 255}
+    proc = launcher.SshWorkerProcess("0", "h", popen=None, pumps=[], tail=[])
+    assert proc.describe_exit(255) == " (ssh failure)"
+    proc._tail.append("ssh: connect to host h port 22: Connection refused")
+    assert proc.describe_exit(255) == " (ssh failure: ssh: connect to host h port 22: " \
+        "Connection refused)"
+    assert "killed by SIGKILL" in proc.describe_exit(-9)
+    assert proc.describe_exit(1) == "" and proc.describe_exit(137) == ""
+    assert launcher.WorkerProcess("1", "h", None, []).describe_exit(255) == ""
 
 
 @pytest.mark.parametrize("argv,error", [

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import environ as _environ
+from procs import cmdline as _cmdline
+from procs import job_workers
 import torch.distributed as dist
 
 from harness import free_port
@@ -29,26 +30,6 @@ from elastic.control import ControlError, ControlStore, Keys
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _cmdline(pid):
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode(errors="replace")
-
-
-def job_workers(out):
-    """{pid: environ} of the processes that are workers of the job writing to ``out``."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = _environ(int(name))
-        except OSError:
-            continue
-        if env.get("JOB_OUT") == str(out) and "ELASTIC_WORKER_ID" in env:
-            found[int(name)] = env
-    return found
 
 
 def job_secret(env):

@@ -185,7 +185,8 @@ class Driver:
                 self.final_codes[wid] = code
             elif kind is ExitKind.FAILED:
                 self.failed_exits[wid] = code
-                self._host_failed(w, f"worker {wid} on {w.host} exited with code {code}", now)
+                self._host_failed(w, f"worker {wid} on {w.host} exited with code {code}"
+                                     f"{w.proc.describe_exit(code)}", now)
             elif kind is ExitKind.REMOVED:
                 log.debug("worker %s left (removed from the job)", wid)
                 self.events.emit("worker_removed", worker=wid, host=w.host)

@@ -201,6 +201,10 @@ class WorkerProcess:
         for pump in self._pumps:
             pump.join(timeout)
 
+    def describe_exit(self, code):
+        """Words to add after "exited with code N"; a local exit speaks for itself."""
+        return ""
+
 
 def start_local(worker_id, host, command, env, sink):
     popen = subprocess.Popen(
@@ -273,26 +277,6 @@ def remote_spec(command, env, cwd):
                        separators=(",", ":")) + "\n").encode()
 
 
-class SshExit(int):
-    """An ssh worker's exit code that says, when printed, what it means: 255 is
-    ssh's own failure (unreachable host, refused key, lost connection) and a
-    signal death is the ssh client's, since remote.py turns the worker's into
-    128 + N. (A worker that itself exits 255 reads the same: ssh cannot tell
-    them apart.) Compares and computes as the plain int, so the driver's
-    "exited with code {code}" line carries the meaning without knowing ssh."""
-
-    def __new__(cls, code, meaning):
-        obj = super().__new__(cls, code)
-        obj.meaning = meaning
-        return obj
-
-    def __str__(self):
-        return f"{int(self)} ({self.meaning})"
-
-    def __format__(self, spec):
-        return str(self) if not spec else format(int(self), spec)
-
-
 class SshWorkerProcess(WorkerProcess):
     """A worker on another host: ``popen`` is its ssh client."""
 
@@ -303,28 +287,31 @@ class SshWorkerProcess(WorkerProcess):
 
     def poll(self):
         if self._code is None:
-            code = self.popen.poll()
-            if code is None:
+            self._code = self.popen.poll()
+            if self._code is None:
                 return None
-            self._code = self._describe(code)
             try:
                 self.popen.stdin.close()
             except (OSError, ValueError):
                 pass
         return self._code
 
-    def _describe(self, code):
+    def describe_exit(self, code):
+        """255 is ssh's own failure (unreachable host, refused key, lost link) and a
+        signal death is the ssh client's, since remote.py turns the worker's into
+        128 + N. A worker that itself exits 255 reads the same: ssh cannot tell."""
         if code == SSH_FAILED:
-            self._pumps[-1].join(1.0)       # let stderr drain: ssh's own last words
+            for pump in self._pumps[-1:]:       # let stderr drain: ssh's own last words
+                pump.join(1.0)
             last = self._tail[-1] if self._tail else ""
-            return SshExit(code, "ssh failure" + (f": {last}" if last else ""))
+            return " (ssh failure" + (f": {last}" if last else "") + ")"
         if code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            return SshExit(code, f"ssh connection lost: the ssh client was killed by {name}")
-        return code
+            return f" (ssh connection lost: the ssh client was killed by {name})"
+        return ""
 
 
 def start_ssh(worker_id, host, command, env, sink, settings, store_addr=None):

@@ -11,7 +11,6 @@ final.<rank>.json (digests, step, sampler, checkpoint info), history.json (rank 
 the committed history (epoch, step, sample ids)).
 """
 
-import hashlib
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ import time
 import torch
 
 import elastic
+from job_helpers import digest, hold
 
 OUT = os.environ["JOB_OUT"]
 EPOCHS = int(os.environ.get("JOB_EPOCHS", "6"))
@@ -29,22 +29,6 @@ STEP_SLEEP = float(os.environ.get("JOB_STEP_SLEEP", "0"))
 HOLD = int(os.environ.get("JOB_HOLD", "0"))
 KILL_RANK0_AT = int(os.environ.get("JOB_KILL_RANK0_AT", "0"))
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def hold(state):
-    while True:
-        state.commit()
-        go = torch.tensor([1 if os.path.exists(os.path.join(OUT, "go")) else 0])
-        if int(elastic.broadcast(go, 0)):
-            return
-        time.sleep(0.05)
 
 
 def main():
@@ -87,7 +71,7 @@ def main():
                 time.sleep(STEP_SLEEP)
                 state.commit()
                 if state.step == HOLD:
-                    hold(state)
+                    hold(state, os.path.join(OUT, "go"))
             state.epoch += 1
             state.commit()
 

@@ -14,11 +14,11 @@ Holds: GB_HOLD="3,5" keeps committing at those steps until the membership change
 
 import json
 import os
-import time
 
 import torch
 
 import elastic
+from job_helpers import hold
 
 OUT = os.environ["JOB_OUT"]
 STEPS = int(os.environ.get("GB_STEPS", "9"))
@@ -37,15 +37,6 @@ def flat(module):
 def net():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                                torch.nn.Linear(8, 1)).double()
-
-
-def hold(state, step):
-    while True:
-        state.commit()   # raises HostsUpdatedInterrupt once the new round is pending
-        go = torch.tensor([1 if os.path.exists(os.path.join(OUT, f"go.{step}")) else 0])
-        if int(elastic.broadcast(go, 0)):
-            return
-        time.sleep(0.05)
 
 
 def main():
@@ -94,7 +85,7 @@ def main():
                               "host": os.environ.get("ELASTIC_HOSTNAME", ""),
                               "share": len(batch.indices), "worker": WID}) + "\n")
         if step in HOLDS:
-            hold(state, step)
+            hold(state, os.path.join(OUT, f"go.{step}"))
         else:
             state.commit()
 

@@ -10,16 +10,15 @@ membership at a known point without racing the training.
 Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop), each fires once.
 """
 
-import hashlib
 import json
 import os
 import signal
 import sys
-import time
 
 import torch
 
 import elastic
+from job_helpers import digest, hold, optimizer_tensors
 
 OUT = os.environ["JOB_OUT"]
 EPOCHS = int(os.environ.get("JOB_EPOCHS", "3"))
@@ -29,23 +28,6 @@ COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "1"))
 HOLDS = {int(s) for s in os.environ.get("JOB_HOLD", "").split(",") if s}
 FAULT = os.environ.get("JOB_FAULT", "")
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def optimizer_tensors(opt):
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for key in sorted(opt.state.get(p, {})):
-                v = opt.state[p][key]
-                out.append(v if torch.is_tensor(v) else torch.tensor(float(v)))
-    return out
 
 
 def maybe_fault(step):
@@ -66,16 +48,6 @@ def maybe_fault(step):
         if mode == "raise":
             raise RuntimeError("injected failure")
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
-
-
-def hold(state, step):
-    """Keep committing until the test releases this step (all ranks agree)."""
-    while True:
-        state.commit()
-        go = torch.tensor([1 if os.path.exists(os.path.join(OUT, f"go.{step}")) else 0])
-        if int(elastic.broadcast(go, 0)):
-            return
-        time.sleep(0.05)
 
 
 def main():
@@ -123,7 +95,7 @@ def main():
                     "local_rank": elastic.local_rank(), "round": w.round_id if w else 0,
                     "worker": WID}) + "\n")
                 if step in HOLDS:
-                    hold(state, step)
+                    hold(state, os.path.join(OUT, f"go.{step}"))
                 elif step % COMMIT_EVERY == 0:
                     state.commit()
             state.epoch += 1
