@@ -175,3 +175,27 @@ def test_a_final_round_worker_failing_before_the_others_finish_fails_the_job(tmp
     code = job.run()
     assert code != 0, job.output()
     assert "exited with code 4" in job.output()
+
+
+def test_a_failure_while_re_initialising_is_recovered_without_blacklisting(tmp_path):
+    job = Job(tmp_path, ["-np", "2", "--max-np", "4"], hosts=["localhost:2"],
+              env={"JOB_HOLD": "3", "JOB_RESET_FAULT": "1"}).start()
+    job.wait_step(3)
+    job.set_hosts(["localhost:2", "127.0.0.1:2"])
+    job.wait_step(4, size=4)
+    job.assert_ok(job.finish(), final_size=4)
+    assert (job.out / "reset_fault.fired").exists()
+    out = job.output()
+    assert "injected failure during re-initialisation" in out
+    assert "blacklisting" not in out and "exited with code" not in out
+
+
+def test_a_later_discovery_failure_warns_and_keeps_the_hosts(tmp_path):
+    job = Job(tmp_path, ["-np", "2"], hosts=["localhost:1", "127.0.0.1:1"],
+              env={"JOB_HOLD": "3"}).start()
+    job.wait_step(3)
+    job.set_hosts(["this is not a host line"])
+    job.wait_for(lambda: "keeping the last host set" in job.output(), "the discovery warning")
+    job.release(3)
+    job.assert_ok(job.finish(), final_size=2)
+    assert sizes_in_order(job.steps()) == [2]

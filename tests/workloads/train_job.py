@@ -7,7 +7,8 @@ Everything a test asserts comes from files in $JOB_OUT:
 Holds: with JOB_HOLD="6,12" every rank stops at those steps and keeps
 committing until the test creates $JOB_OUT/go.<step>, so a test can change
 membership at a known point without racing the training.
-Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop), each fires once.
+Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop), each fires once;
+JOB_RESET_FAULT=R makes rank R fail once inside a reset callback.
 """
 
 import json
@@ -68,6 +69,16 @@ def main():
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, history=[])
     log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
+
+    def reset_fault():
+        """JOB_RESET_FAULT=R: rank R fails once while the job re-initialises."""
+        rank = os.environ.get("JOB_RESET_FAULT")
+        marker = os.path.join(OUT, "reset_fault.fired")
+        if rank is not None and elastic.rank() == int(rank) and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise elastic.WorkersDepartedError("injected failure during re-initialisation")
+
+    state.register_reset_callbacks([reset_fault])
 
     @elastic.run
     def train(state):
