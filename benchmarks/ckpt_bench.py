@@ -88,7 +88,7 @@ def main():
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 7
     os.makedirs(root, exist_ok=True)
     elastic.init()
-    assert elastic.size() == 1 and elastic.runtime.worker() is None
+    assert elastic.size() == 1 and elastic.worker.runtime.worker() is None
     model, opt, step = build()
     plain = elastic.TorchState(model, opt, checkpoint=False, n=0)
     plain.sync()
@@ -175,8 +175,8 @@ def main():
     full_total = ck.stats["last"]["bytes_total"]
     ck.close(final=False)
     # What the writer's hashing alone costs on this CPU: sha256 of the same buffers.
-    from elastic.checkpoint_store import _sha
-    from elastic.checkpoint_write import _byte_view
+    from elastic.checkpoint.format import _sha
+    from elastic.checkpoint.writer import _byte_view
     hash_s = [timed(lambda: [_sha(_byte_view(b)) for b in state._snapshot.buffers])
               for _ in range(3)]
 

@@ -29,7 +29,7 @@ def main():
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     between_steps = len(sys.argv) > 2 and sys.argv[2] == "steps"
     elastic.init()
-    assert elastic.size() == 1 and elastic.runtime.worker() is None
+    assert elastic.size() == 1 and elastic.worker.runtime.worker() is None
     torch.manual_seed(0)
     model = common.mlp_10m()
     optimizer = elastic.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
@@ -85,7 +85,7 @@ def main():
         state.restore()
         restore_s.append(now() - t0)
     # sync's pack() cost against the number of tensors (same bytes in total)
-    from elastic.snapshot import pack
+    from elastic.state.snapshot import pack
     pack_s = {}
     for n in (250, 1000, 4000):
         tree = {"t": [torch.zeros(4000 // n * 100) for _ in range(n)]}

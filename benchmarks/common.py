@@ -113,8 +113,8 @@ def launch(script, n, args=(), timeout=240, env=None):
     Each worker writes $BENCH_OUT/result.<rank>.json. A failure raises with the
     workers' stderr; past `timeout` every worker is killed.
     """
-    from elastic import control
-    from elastic.control import ControlStore, Keys
+    from elastic import protocol as control
+    from elastic.protocol import ControlStore, Keys
 
     port, secret = free_port(), secrets.token_hex(16)
     store = control.connect("127.0.0.1", port, timeout, is_master=True)

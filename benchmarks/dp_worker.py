@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import elastic  # noqa: E402
-import elastic.state as estate  # noqa: E402
-from elastic.state import TorchState  # noqa: E402
+import elastic.state.states as estate  # noqa: E402
+from elastic.state.states import TorchState  # noqa: E402
 
 OUT = os.environ["BENCH_OUT"]
 now = time.perf_counter
@@ -145,7 +145,7 @@ def raw_broadcast_s(buf, fresh=False):
 
     fresh=True: non-roots receive into newly allocated memory (page faults included).
     """
-    w = elastic.runtime.worker()
+    w = elastic.worker.runtime.worker()
     o = torch.distributed.BroadcastOptions()
     o.rootRank, o.rootTensor = 0, 0
     gc.collect()

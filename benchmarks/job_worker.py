@@ -40,7 +40,7 @@ EVENTS = line_log(f"events.{WID}.jsonl")
 
 
 def event(what, **kw):
-    w = elastic.runtime.worker()
+    w = elastic.worker.runtime.worker()
     EVENTS.write(json.dumps({"what": what, "t": time.time(), "wid": WID,
                              "round": w.round_id if w else 0, **kw}) + "\n")
 
@@ -74,7 +74,7 @@ def maybe_kill(step):
     except FileExistsError:
         return
     os.close(fd)
-    w = elastic.runtime.worker()
+    w = elastic.worker.runtime.worker()
     with open(os.path.join(OUT, "kill.tmp"), "w") as f:
         json.dump({"t": time.time(), "wid": WID, "step": step,
                    "round": w.round_id if w else 0}, f)
@@ -109,7 +109,7 @@ def main():
             stop = torch.tensor([1 if os.path.exists(os.path.join(OUT, "stop")) else 0])
             stop = int(elastic.broadcast(stop, 0))
             state.step = step
-            w = elastic.runtime.worker()
+            w = elastic.worker.runtime.worker()
             steps.write(json.dumps({"step": step, "rank": elastic.rank(), "size": elastic.size(),
                                     "round": w.round_id if w else 0, "t": time.time()}) + "\n")
             state.commit()

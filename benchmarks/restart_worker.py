@@ -13,10 +13,11 @@ import time
 
 T_START = time.time()
 
+from datetime import timedelta  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 T_IMPORTED = time.time()

@@ -6,8 +6,8 @@ identity into the test process itself.
 
 import pytest
 
-from elastic import runtime
-from elastic.control import ENV_ADDR
+from elastic.protocol import ENV_ADDR
+from elastic.worker import runtime
 
 
 @pytest.fixture(autouse=True)

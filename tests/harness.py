@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic import control
-from elastic.control import ControlStore, Keys
+from elastic import protocol as control
+from elastic.protocol import ControlStore, Keys
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,8 @@ import socket
 import time
 
 import pytest
-
-from procs import alive as _alive
 from jobs import Job
+from procs import alive as _alive
 from procs import job_workers
 
 pytestmark = pytest.mark.slow

@@ -17,14 +17,14 @@ import torch
 from filelock import FileLock, Timeout
 
 import elastic
-from elastic import checkpoint_store as store
-from elastic import checkpoint_write
-from elastic import runtime
-from elastic.checkpoint import Checkpointer, resolve
-from elastic.checkpoint_write import write_checkpoint
-from elastic.control import ENV_ADDR
-from elastic.sampler import ElasticSampler
-from elastic.state import TorchState
+from elastic.checkpoint import format as store
+from elastic.checkpoint import writer as checkpoint_write
+from elastic.checkpoint.checkpointer import Checkpointer, resolve
+from elastic.checkpoint.writer import write_checkpoint
+from elastic.protocol import ENV_ADDR
+from elastic.state.states import TorchState
+from elastic.training.sampler import ElasticSampler
+from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
 from jobs import REPO, Job  # noqa: E402
@@ -84,7 +84,7 @@ def _load_version(directory, version):
 
 # -- the on-disk format ------------------------------------------------------------------------
 def test_round_trip_is_bitwise_for_every_dtype_and_shape(tmp_path):
-    from elastic.snapshot import split
+    from elastic.state.snapshot import split
     tree = {"a": _tensors(), "b": {"c": torch.zeros(3), "d": torch.zeros(3)},
             "objects": ("x", [1, {"y": None}], 2.5)}
     skeleton, tensors = split(tree)

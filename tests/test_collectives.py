@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from harness import REPO, run_workers
 
 import elastic
-from harness import REPO, run_workers
 
 pytestmark = pytest.mark.slow
 

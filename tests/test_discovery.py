@@ -5,9 +5,14 @@ import time
 import pytest
 
 from elastic.runner.discovery import (
-    BackgroundDiscovery, DiscoveryError, DiscoveryResult, FixedDiscovery,
-    ScriptDiscovery, parse_host_list, parse_hosts)
-
+    BackgroundDiscovery,
+    DiscoveryError,
+    DiscoveryResult,
+    FixedDiscovery,
+    ScriptDiscovery,
+    parse_host_list,
+    parse_hosts,
+)
 
 # --------------------------------------------------------------------------
 # parse_hosts

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from jobs import Job, hosts_by_rank
 
 from elastic.runner.discovery import parse_hosts
-from jobs import Job, hosts_by_rank
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "discovery"
 LINE_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]+)?$")

@@ -3,9 +3,9 @@
 import json
 
 import pytest
-
-from elastic import report
 from jobs import Job
+
+from elastic.runner import timeline as report
 
 
 @pytest.mark.slow

@@ -15,16 +15,13 @@ import sys
 import time
 
 import pytest
-
+from harness import REPO, free_port, publish_round
+from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, sizes_in_order
 from procs import job_workers
 from procs import state as proc_state
 
-from harness import REPO, free_port, publish_round
-from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, \
-    sizes_in_order
-
-from elastic import control
-from elastic.control import ControlStore, Keys
+from elastic import protocol as control
+from elastic.protocol import ControlStore, Keys
 
 pytestmark = pytest.mark.slow
 

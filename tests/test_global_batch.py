@@ -13,13 +13,13 @@ import textwrap
 
 import pytest
 import torch
-
-import elastic
-from elastic import runtime
-from elastic.collectives import Average, Sum
-from elastic.sampler import ElasticSampler
 from harness import check_ok, run_workers
 from jobs import REPO, Job, sizes_in_order
+
+import elastic
+from elastic.training.sampler import ElasticSampler
+from elastic.worker import runtime
+from elastic.worker.collectives import Average, Sum
 
 slow = pytest.mark.slow
 

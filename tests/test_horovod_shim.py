@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
+from jobs import REPO, Job
 
 import elastic.torch as hvd
-from jobs import Job, REPO
 
 HORovod_NAMES = [
     "init", "rank", "size", "local_rank", "local_size", "cross_rank", "DistributedOptimizer",
@@ -53,7 +53,7 @@ def job_third_host():
 
 
 def test_horovod_environment_aliases_exported(monkeypatch):
-    from elastic import runtime
+    from elastic.worker import runtime
     monkeypatch.setattr(os, "environ", dict(os.environ))
     runtime._export_membership(runtime.Membership(rank=3, size=4, hostname="h"))
     assert os.environ["HOROVOD_RANK"] == "3" and os.environ["HOROVOD_SIZE"] == "4"

@@ -9,7 +9,6 @@ import socket
 import time
 
 import pytest
-
 from jobs import Job, hosts_by_rank, sizes_in_order
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ import cloudpickle
 import pytest
 
 import elastic
-from elastic.launch import LaunchError, launch
+from elastic.launching.client import LaunchError, launch
 
-launch_module = importlib.import_module("elastic.launch")
+launch_module = importlib.import_module("elastic.launching.client")
 TWO_HOSTS = "localhost:1,127.0.0.1:1"
 
 

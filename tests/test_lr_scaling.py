@@ -6,9 +6,7 @@ import pytest
 import torch
 
 import elastic
-from elastic.lr_scaling import LRScaler, scale_factor
-
-
+from elastic.training.lr_scaling import LRScaler, scale_factor
 
 
 class World:

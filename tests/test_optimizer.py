@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from elastic import collectives, runtime
 from elastic.exceptions import WorkersDepartedError
-from elastic.optimizer import Compression, DistributedOptimizer
+from elastic.training.optimizer import Compression, DistributedOptimizer
+from elastic.worker import collectives, runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import check_ok, run_workers  # noqa: E402
@@ -80,7 +80,7 @@ WORKER = textwrap.dedent('''
 
 
     def train(name, rank):
-        from elastic.optimizer import Compression, DistributedOptimizer
+        from elastic.training.optimizer import Compression, DistributedOptimizer
         cfg, model, opt = build(name)
         k = cfg.get("k", 1)
         dopt = DistributedOptimizer(

@@ -5,7 +5,13 @@ import dataclasses
 import pytest
 
 from elastic.runner.planner import (
-    Candidate, assign, describe_change, order_hosts, plan_round, same_membership)
+    Candidate,
+    assign,
+    describe_change,
+    order_hosts,
+    plan_round,
+    same_membership,
+)
 
 
 def cands(*specs):

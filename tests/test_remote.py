@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from elastic import control
-from elastic.runner import cli, launcher, remote
 from jobs import Job, hosts_by_rank, sizes_in_order
 from sshd import sshd  # noqa: F401  (the module-scoped fixture)
+
+from elastic import protocol as control
+from elastic.runner import cli, launcher, remote
 
 REMOTE_PY = [sys.executable, "-I", launcher.REMOTE_SCRIPT]
 GONE_TIMEOUT_S = 20      # "about 10 s", with room for a loaded 2-core machine

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
-from elastic.sampler import ElasticSampler
+from elastic.training.sampler import ElasticSampler
 
 
 def make_ranks(n, size, state=None, **kw):

@@ -2,7 +2,7 @@
 
 The driver's TCPStore accepts any TCP client, so the protection is in the
 values: keys live under a namespace derived from the job secret and every
-value that steers the job carries an HMAC bound to its key (elastic/control.py).
+value that steers the job carries an HMAC bound to its key (elastic/protocol.py).
 """
 
 import ast
@@ -17,17 +17,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
-from procs import cmdline as _cmdline
-from procs import job_workers
 import torch.distributed as dist
-
 from harness import free_port
 from jobs import REPO, WORKLOAD, Job, sizes_in_order
+from procs import cmdline as _cmdline
+from procs import job_workers
 
-from elastic import control
-from elastic.control import ControlError, ControlStore, Keys
-
+from elastic import protocol as control
+from elastic.protocol import ControlError, ControlStore, Keys
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -189,7 +186,7 @@ UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marsha
 
 def _control_plane_sources():
     package = REPO / "elastic"
-    return [package / "control.py", package / "runtime.py",
+    return [package / "protocol.py", package / "worker" / "runtime.py",
             *sorted((package / "runner").glob("*.py"))]
 
 

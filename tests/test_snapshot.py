@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from elastic.snapshot import Snapshot, _Ref, flat_specs, join, pack, split, unpack
+from elastic.state.snapshot import Snapshot, _Ref, flat_specs, join, pack, split, unpack
 
 
 def _bytes(t):
@@ -345,7 +345,7 @@ def test_swapped_buffer_makes_flats_unavailable_until_reallocated():
 
 
 def test_large_buffers_and_clones_are_plain_tensors():
-    from elastic.snapshot import host_clone, host_empty
+    from elastic.state.snapshot import host_clone, host_empty
     t = host_empty(3 << 20, torch.float32)
     assert t.shape == (3 << 20,) and t.dtype == torch.float32
     src = torch.randn(5 << 20)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic import runtime
-from elastic.sampler import ElasticSampler
-from elastic.state import ObjectState, State, TorchState
+from elastic.state.states import ObjectState, State, TorchState
+from elastic.training.sampler import ElasticSampler
+from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import check_ok, run_workers  # noqa: E402

@@ -10,9 +10,9 @@ import os
 import shutil
 import sys
 
-from . import launcher
-from .discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
-from .driver import JobConfig, run_job
+from elastic.runner import launcher
+from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
+from elastic.runner.driver import JobConfig, run_job
 
 
 class UsageError(Exception):
@@ -74,7 +74,7 @@ def build_parser():
                    help="durable checkpoints for every worker's TorchState (sets "
                         "ELASTIC_CHECKPOINT_DIR): rerunning the same command resumes there")
     p.add_argument("--event-log", help="append JSON-lines events (rounds, failures, pauses, "
-                   "progress) to this file; `python -m elastic.report FILE` draws them")
+                   "progress) to this file; `python -m elastic.runner.timeline FILE` draws them")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])

@@ -14,14 +14,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .. import control
-from ..control import ControlStore, Keys
-from . import launcher
-from .discovery import BackgroundDiscovery, DiscoveryError
-from .events import EventLog, RoundReporter
-from .exits import ExitKind, classify_exit
-from .hosts import HostManager
-from .planner import Candidate, describe_change, plan_round, same_membership
+from elastic import protocol as control
+from elastic.protocol import ControlStore, Keys
+from elastic.runner import launcher
+from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
+from elastic.runner.events import EventLog, RoundReporter
+from elastic.runner.exits import ExitKind, classify_exit
+from elastic.runner.hosts import HostManager
+from elastic.runner.planner import Candidate, describe_change, plan_round, same_membership
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 
-from ..control import Keys
+from elastic.protocol import Keys
 
 log = logging.getLogger("elasticrun")
 PAUSE_WAIT_S = 30.0

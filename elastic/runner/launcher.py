@@ -31,7 +31,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from . import remote
+from elastic.runner import remote
 
 _SETPRIV = shutil.which("setpriv")
 

@@ -3,11 +3,11 @@
     import horovod.torch as hvd   ->   import elastic.torch as hvd
 """
 
-from .. import collectives as _c
-from .. import runtime as _rt
-from ..exceptions import HostsUpdatedInterrupt, WorkersDepartedError
-from ..optimizer import Compression, DistributedOptimizer
-from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState, ...)
+from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.torch import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState, ...)
+from elastic.training.optimizer import Compression, DistributedOptimizer
+from elastic.worker import collectives as _c
+from elastic.worker import runtime as _rt
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

@@ -17,9 +17,9 @@ import signal
 import time
 
 import torch
+from job_helpers import digest, hold
 
 import elastic
-from job_helpers import digest, hold
 
 OUT = os.environ["JOB_OUT"]
 EPOCHS = int(os.environ.get("JOB_EPOCHS", "6"))
@@ -63,7 +63,7 @@ def main():
                 state.step += 1
                 state.history.append([state.epoch, state.step,
                                       sorted(i for b in everyone for i in b)])
-                w = elastic.runtime.worker()
+                w = elastic.worker.runtime.worker()
                 log.write(json.dumps({
                     "epoch": state.epoch, "step": state.step, "rank": elastic.rank(),
                     "size": elastic.size(), "round": w.round_id if w else 0,

@@ -16,9 +16,9 @@ import json
 import os
 
 import torch
+from job_helpers import hold
 
 import elastic
-from job_helpers import hold
 
 OUT = os.environ["JOB_OUT"]
 STEPS = int(os.environ.get("GB_STEPS", "9"))
@@ -79,7 +79,7 @@ def main():
         state.ord_sampler.record_indices(idx)
         state.step = step
         state.batches.append(batch.global_indices)
-        w = elastic.runtime.worker()
+        w = elastic.worker.runtime.worker()
         log.write(json.dumps({"step": step, "rank": elastic.rank(), "size": elastic.size(),
                               "round": w.round_id if w else 0, "local_rank": elastic.local_rank(),
                               "host": os.environ.get("ELASTIC_HOSTNAME", ""),

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-import elastic.torch as hvd   # was: import horovod.torch as hvd
+import elastic.torch as hvd  # was: import horovod.torch as hvd
 
 OUT = os.environ["JOB_OUT"]
 hvd.init()

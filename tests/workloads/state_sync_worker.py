@@ -19,9 +19,9 @@ import traceback
 import torch
 
 import elastic
-from elastic import collectives
-from elastic.sampler import ElasticSampler
-from elastic.state import TorchState
+from elastic.state.states import TorchState
+from elastic.training.sampler import ElasticSampler
+from elastic.worker import collectives
 
 OUT = os.environ["STATE_OUT"]
 DATASET = list(range(64))

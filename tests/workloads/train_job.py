@@ -17,9 +17,9 @@ import signal
 import sys
 
 import torch
+from job_helpers import digest, hold, optimizer_tensors
 
 import elastic
-from job_helpers import digest, hold, optimizer_tensors
 
 OUT = os.environ["JOB_OUT"]
 EPOCHS = int(os.environ.get("JOB_EPOCHS", "3"))
@@ -99,7 +99,7 @@ def main():
                 state.step = step
                 elastic.report_progress(step=step, samples=len(everyone) * BATCH)
                 state.history.append([state.epoch, step, sorted(i for b in everyone for i in b)])
-                w = elastic.runtime.worker()
+                w = elastic.worker.runtime.worker()
                 log.write(json.dumps({
                     "epoch": state.epoch, "step": step, "rank": elastic.rank(),
                     "size": elastic.size(), "host": os.environ.get("ELASTIC_HOSTNAME", ""),

@@ -2,7 +2,7 @@
 
 import time
 
-from . import runtime
+from elastic.worker import runtime
 
 _MIN_INTERVAL_S = 0.5
 _last = [0.0]

@@ -29,8 +29,8 @@ import sys
 
 import torch
 
-from .exceptions import ElasticError
-from .snapshot import join
+from elastic.exceptions import ElasticError
+from elastic.state.snapshot import join
 
 FORMAT = "elastic-checkpoint/1"
 BLOBS = "blobs"

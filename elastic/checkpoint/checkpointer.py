@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from . import checkpoint_store as store
-from . import runtime
-from .checkpoint_lock import CheckpointDirectoryInUse, DirectoryLock, job_id
-from .checkpoint_store import CheckpointError, CorruptCheckpoint, list_checkpoints  # noqa: F401
-from .checkpoint_write import write_checkpoint
+from elastic.checkpoint import format as store
+from elastic.checkpoint.format import CheckpointError, CorruptCheckpoint, list_checkpoints  # noqa: F401
+from elastic.checkpoint.lock import CheckpointDirectoryInUse, DirectoryLock, job_id
+from elastic.checkpoint.writer import write_checkpoint
+from elastic.worker import runtime
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
 DEFAULT_EVERY_COMMITS = 10

@@ -40,8 +40,8 @@ provided the model treats samples independently (BatchNorm statistics, for one,
 depend on how samples are grouped into micro-batches).
 """
 
-from . import runtime
-from .collectives import ReduceOp
+from elastic.worker import runtime
+from elastic.worker.collectives import ReduceOp
 
 
 class MicroBatch:

@@ -1,4 +1,4 @@
-"""Draw an event log as a timeline: `python -m elastic.report events.jsonl -o timeline.png`.
+"""Draw an event log as a timeline: `python -m elastic.runner.timeline events.jsonl -o timeline.png`.
 
 World size over time as a step line, each pause as a shaded span, failures
 and evictions as red marks. matplotlib is an optional extra
@@ -68,7 +68,7 @@ def draw(events, out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m elastic.report",
+    parser = argparse.ArgumentParser(prog="python -m elastic.runner.timeline",
                                      description="Draw an elasticrun --event-log file.")
     parser.add_argument("event_log")
     parser.add_argument("-o", "--output", default="timeline.png")
@@ -76,12 +76,12 @@ def main(argv=None):
     try:
         events = load(args.event_log)
     except (OSError, ValueError) as exc:
-        sys.stderr.write(f"elastic.report: error: {exc}\n")
+        sys.stderr.write(f"elastic.runner.timeline: error: {exc}\n")
         return 2
     try:
         draw(events, args.output)
     except ImportError:
-        sys.stderr.write("elastic.report: error: matplotlib is needed: "
+        sys.stderr.write("elastic.runner.timeline: error: matplotlib is needed: "
                          "pip install 'elastic-train[report]'\n")
         return 2
     print(f"wrote {args.output}")

@@ -18,8 +18,15 @@ import time
 
 import torch
 
-from .checkpoint_store import (
-    ALIGN, BLOBS, FORMAT, SMALL_BYTES, _sha, blob_path, encode_manifest, manifest_path,
+from elastic.checkpoint.format import (
+    ALIGN,
+    BLOBS,
+    FORMAT,
+    SMALL_BYTES,
+    _sha,
+    blob_path,
+    encode_manifest,
+    manifest_path,
 )
 
 

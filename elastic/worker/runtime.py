@@ -18,9 +18,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import control
-from .control import ControlStore, Keys
-from .exceptions import ElasticError, WorkersDepartedError
+from elastic import protocol as control
+from elastic.exceptions import ElasticError, WorkersDepartedError
+from elastic.protocol import ControlStore, Keys
 
 WAIT_SLICE_S = 0.1
 
@@ -222,7 +222,7 @@ class Worker:
         self.device_group = result.get("device", self.cpu_group)
         # A group is usable only once every peer finished connecting: without this
         # a peer that returns at once (and exits) breaks the others' set-up.
-        from . import collectives
+        from elastic.worker import collectives
         probe = torch.zeros(1)
         try:
             work = self.cpu_group.allreduce([probe])

@@ -30,11 +30,11 @@ from torch.utils.data import IterableDataset, Sampler
 def _current_rank_size():
     """Ask the elastic runtime which rank we are and how many ranks there are."""
     try:
-        from elastic import runtime
+        from elastic.worker import runtime
     except ImportError:
         # Only a missing runtime module means "no elastic runtime": run as one rank.
         # An import error raised inside an existing runtime still propagates.
-        if importlib.util.find_spec("elastic.runtime") is not None:
+        if importlib.util.find_spec("elastic.worker.runtime") is not None:
             raise
         return 0, 1
     return int(runtime.rank()), int(runtime.size())
@@ -127,7 +127,7 @@ class ElasticSampler(Sampler):
     def global_batches(self, optimizer, micro_batch_size=None):
         """Global-batch mode: yield one :class:`elastic.global_batch.GlobalBatch` per
         optimizer step left in this epoch. See :mod:`elastic.global_batch`."""
-        from .global_batch import iterate_global_batches
+        from elastic.training.global_batch import iterate_global_batches
         return iterate_global_batches(self, optimizer, micro_batch_size)
 
     def _advance(self, count):

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .exceptions import ElasticError
+from elastic.exceptions import ElasticError
 
 ENV_ADDR = "ELASTIC_STORE_ADDR"
 ENV_PORT = "ELASTIC_STORE_PORT"

@@ -16,9 +16,9 @@ import weakref
 
 import torch
 
-from . import collectives, runtime
-from .collectives import Average, ReduceOp
-from .exceptions import WorkersDepartedError
+from elastic.exceptions import WorkersDepartedError
+from elastic.worker import collectives, runtime
+from elastic.worker.collectives import Average, ReduceOp
 
 _OPS = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 

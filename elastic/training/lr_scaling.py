@@ -30,7 +30,7 @@ scaled lr is right even without the callback.
 
 import math
 
-from . import runtime
+from elastic.worker import runtime
 
 RULES = {
     "linear": lambda size: float(size),

@@ -27,7 +27,7 @@ import time
 
 import cloudpickle
 
-from .exceptions import ElasticError
+from elastic.exceptions import ElasticError
 
 RESULTS = "results"
 ERRORS = "errors"
@@ -119,7 +119,7 @@ def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
             argv += ["--output-filename", log_dir]
         if "event_log" not in elasticrun_options:
             argv += ["--event-log", event_log]
-        argv += ["--", sys.executable, "-m", "elastic.launch_worker",
+        argv += ["--", sys.executable, "-m", "elastic.launching.worker",
                  paths["payload"], paths["results"]]
         code, driver_log = _run(argv, child_env, timeout, quiet)
         job = _Outcome(paths["results"], log_dir, event_log, driver_log)
@@ -148,7 +148,7 @@ def _elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
         flags += ["-H", _hosts_arg(hosts)]
     if discovery_script is not None:
         flags += ["--host-discovery-script", os.path.abspath(os.fspath(discovery_script))]
-    from .runner.cli import build_parser
+    from elastic.runner.cli import build_parser
     known = build_parser()._option_string_actions
     for key, value in options.items():
         option = "--" + key.replace("_", "-")
@@ -187,8 +187,8 @@ def _hosts_arg(hosts):
 
 def _validate(flags):
     """Check the flags the way elasticrun will, so bad ones fail before anything starts."""
-    from .runner import cli
-    command = [sys.executable, "-m", "elastic.launch_worker"]
+    from elastic.runner import cli
+    command = [sys.executable, "-m", "elastic.launching.worker"]
     try:
         cli.config_from_args(cli.build_parser().parse_args(list(flags) + ["--"] + command))
     except cli.UsageError as exc:

@@ -3,8 +3,8 @@
 import functools
 import time
 
-from . import runtime
-from .exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.worker import runtime
 
 
 def run(func):

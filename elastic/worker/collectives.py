@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import runtime
-from .exceptions import WorkersDepartedError
+from elastic.exceptions import WorkersDepartedError
+from elastic.worker import runtime
 
 
 class ReduceOp:

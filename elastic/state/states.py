@@ -11,9 +11,9 @@ import copy
 
 import torch
 
-from . import collectives, runtime
-from .exceptions import HostsUpdatedInterrupt, WorkersDepartedError
-from .snapshot import Snapshot, host_clone, join, pack, split
+from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.state.snapshot import Snapshot, host_clone, join, pack, split
+from elastic.worker import collectives, runtime
 
 _UNCOMMITTED = -1
 
@@ -211,7 +211,7 @@ class TorchState(ObjectState):
         super().__init__(**kwargs)
         self.model = model
         self.optimizer = optimizer
-        from .checkpoint import resolve
+        from elastic.checkpoint.checkpointer import resolve
         self._checkpoint = resolve(checkpoint)
 
     def restore(self):

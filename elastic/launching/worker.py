@@ -1,4 +1,4 @@
-"""The worker side of ``elastic.launch``: ``python -m elastic.launch_worker PAYLOAD RESULTS``.
+"""The worker side of ``elastic.launch``: ``python -m elastic.launching.worker PAYLOAD RESULTS``.
 
 Loads the pickled call, runs it, and writes what it returned to
 ``RESULTS/round.<round>/<rank>.pkl``, where round and rank are the worker's
@@ -25,7 +25,7 @@ def _worker_id():
 
 def _current_rank():
     """The rank of the round this worker is in, without joining one."""
-    from . import runtime
+    from elastic.worker import runtime
     worker = getattr(runtime, "_worker", None)
     membership = getattr(worker, "membership", None)
     if membership is not None:
@@ -60,7 +60,7 @@ def _record_error(results_dir, exc):
         path = os.path.join(results_dir, ERRORS, f"{_worker_id()}.json")
         _write_atomic(path, json.dumps(record).encode())
     except OSError as err:
-        sys.stderr.write(f"elastic.launch_worker: cannot record the error: {err}\n")
+        sys.stderr.write(f"elastic.launching.worker: cannot record the error: {err}\n")
 
 
 def _load(payload_path):
@@ -76,7 +76,7 @@ def _load(payload_path):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        sys.stderr.write("usage: python -m elastic.launch_worker PAYLOAD RESULTS_DIR\n")
+        sys.stderr.write("usage: python -m elastic.launching.worker PAYLOAD RESULTS_DIR\n")
         return 2
     payload_path, results_dir = argv
     try:
@@ -85,7 +85,7 @@ def main(argv=None):
         import cloudpickle
 
         import elastic
-        from . import runtime
+        from elastic.worker import runtime
         rank, size = elastic.rank(), elastic.size()
         worker = runtime.worker()
         round_id = worker.round_id if worker is not None else 0

@@ -13,8 +13,8 @@ import os
 import socket
 import time
 
-from . import control
-from .checkpoint_store import CheckpointError
+from elastic import protocol as control
+from elastic.checkpoint.format import CheckpointError
 
 SAME_JOB_WAIT_S = 600.0
 

@@ -1,0 +1,1 @@
+"""Commit-able training state and the host-memory snapshots behind it."""

@@ -1,0 +1,1 @@
+"""Training helpers: sampler, global batch, DistributedOptimizer, lr scaling, progress reports."""

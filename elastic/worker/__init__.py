@@ -1,0 +1,1 @@
+"""The worker side: rounds, heartbeats, sliced waits, process groups, collectives, the run loop."""
