@@ -42,3 +42,23 @@ def job_workers(out):
         if env.get("JOB_OUT") == str(out) and "ELASTIC_WORKER_ID" in env and alive(pid):
             found[pid] = env
     return found
+
+
+def resources(pid):
+    """What a process holds, as an operator sees it: {"fds", "threads", "rss"} (rss in bytes).
+
+    Read from /proc/PID/fd, /proc/PID/task and /proc/PID/statm; raises OSError
+    once the process is gone. Used by the bounded-resource tests and the soak.
+    """
+    import os
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    with open(f"/proc/{pid}/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {"fds": fds, "threads": threads, "rss": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+
+
+def resource_growth(before, after):
+    """{"fds": +n, "threads": +n, "rss": ratio} from two resources() readings."""
+    return {"fds": after["fds"] - before["fds"], "threads": after["threads"] - before["threads"],
+            "rss": after["rss"] / before["rss"] if before["rss"] else float("inf")}
