@@ -199,7 +199,7 @@ def _child_env(extra):
     env = dict(os.environ)
     env.update(extra or {})
     # The job's processes must import this same elastic package.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in parts:
         env["PYTHONPATH"] = os.pathsep.join([root] + parts)
