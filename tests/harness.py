@@ -87,6 +87,82 @@ def run_workers(script_path, n, timeout=120, extra_env=None, args=()):
     return results
 
 
+class Workers:
+    """``n`` copies of a script as the workers of round 1, while the test drives rounds.
+
+    ``publish(round_id)`` and ``abort(round_id)`` do what the driver does;
+    ``finish()`` waits for the workers (killing them past ``timeout``) and
+    returns one CompletedProcess per worker. Use it as a context manager so no
+    worker outlives the test.
+    """
+
+    def __init__(self, script_path, n, out_dir, extra_env=None, timeout=120):
+        self.port, secret = free_port(), secrets.token_hex(16)
+        self._store = control.connect("127.0.0.1", self.port, timeout, is_master=True)
+        self.control = ControlStore(self._store, secret)
+        self.ids = [f"w{r}" for r in range(n)]
+        self.out_dir = Path(out_dir)
+        self.timeout = timeout
+        publish_round(self.control, 1, self.ids)
+        env = dict(os.environ)
+        env.update({
+            control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(self.port),
+            control.ENV_SECRET: secret, "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            "ELASTIC_COLLECTIVE_TIMEOUT": str(timeout),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        })
+        env.update(extra_env or {})
+        self.procs = []
+        for wid in self.ids:
+            with open(self.out_dir / f"{wid}.out", "w") as out, \
+                    open(self.out_dir / f"{wid}.err", "w") as err:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(script_path)], env={**env, control.ENV_WORKER_ID: wid},
+                    stdout=out, stderr=err, cwd=str(REPO)))
+
+    def publish(self, round_id):
+        publish_round(self.control, round_id, self.ids)
+
+    def abort(self, round_id):
+        self.control.put(Keys.abort(round_id), {"round": round_id})
+
+    def wait_for(self, predicate, what, timeout=None):
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while not predicate():
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"a worker ended before {what}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.logs()}")
+            time.sleep(0.01)
+
+    def logs(self):
+        return "\n".join(f"--- {wid}\n" + (self.out_dir / f"{wid}.err").read_text()[-3000:]
+                         for wid in self.ids)
+
+    def finish(self):
+        deadline = time.monotonic() + self.timeout
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill()
+        return [subprocess.CompletedProcess(p.args, p.returncode,
+                                            (self.out_dir / f"{wid}.out").read_text(),
+                                            (self.out_dir / f"{wid}.err").read_text())
+                for wid, p in zip(self.ids, self.procs)]
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
 def check_ok(results):
     """Raise with every worker's output when any worker failed."""
     if all(r.returncode == 0 for r in results):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from elastic import protocol as control
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.protocol import ControlStore, Keys
+from elastic.worker.groups import RetiredGroups, TrackedGroup
 
 WAIT_SLICE_S = 0.1
 
@@ -102,7 +103,7 @@ class Worker:
         self.registered = False
         self.cpu_group = None
         self.device_group = None
-        self._abandoned = []
+        self.retired_groups = RetiredGroups()
         self._heartbeat = _Heartbeat(self, _env_float("ELASTIC_HEARTBEAT_INTERVAL", 1.0))
         self._heartbeat.start()
 
@@ -116,6 +117,8 @@ class Worker:
         return int(value["round"]) if value else 0
 
     def new_round_pending(self):
+        """Asked at every commit, a quiet moment to free past groups that have drained."""
+        self.retired_groups.release_drained()
         return self.latest_round() > self.round_id
 
     def round_aborted(self):
@@ -148,6 +151,7 @@ class Worker:
         deadline = time.monotonic() + self.round_timeout
         seen = self.round_id
         while True:
+            self.retired_groups.release_drained()
             latest = self.latest_round()
             if latest > seen:
                 seen = latest
@@ -218,8 +222,8 @@ class Worker:
                 raise WorkersDepartedError(f"process group for round {round_id} did not form")
         if "error" in result:
             raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
-        self.cpu_group = result["cpu"]
-        self.device_group = result.get("device", self.cpu_group)
+        self.cpu_group = TrackedGroup(result["cpu"])
+        self.device_group = TrackedGroup(result["device"]) if "device" in result else self.cpu_group
         # A group is usable only once every peer finished connecting: without this
         # a peer that returns at once (and exits) breaks the others' set-up.
         from elastic.worker import collectives
@@ -231,14 +235,17 @@ class Worker:
         collectives.wait(work, "group check", self)
 
     def _drop_groups(self):
-        """Abandon the old groups without draining them; keep references so
-        that in-flight gloo work never writes into freed memory."""
-        if self.cpu_group is not None:
-            # Kept for the life of the process: freeing a group whose work is
-            # stuck on a dead peer would block in its destructor.
-            self._abandoned.append((self.cpu_group, self.device_group))
+        """Leave the round's groups without waiting for them to drain.
+
+        A group whose work all finished is freed at once; one with work still
+        in flight (an aborted round) is kept, so that the work never writes into
+        freed memory and its destructor never blocks, and is freed once that
+        work has drained (groups.py).
+        """
+        self.retired_groups.retire(self.cpu_group, self.device_group)
         self.cpu_group = self.device_group = None
         self.membership = None
+        self.retired_groups.release_drained()
 
     def _leave(self, why):
         _log(why)
