@@ -5,16 +5,76 @@
 
 from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
 from elastic.torch import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState, ...)
+from elastic.torch.handles import poll, synchronize
+from elastic.torch.move_ops import allgather_object, barrier, broadcast_object, join
+from elastic.torch.negotiation import CollectiveMismatchError
+from elastic.torch.ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
+from elastic.torch.process_sets import (
+    ProcessSet,
+    ProcessSetStaleError,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from elastic.torch.queries import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from elastic.torch.reduce_ops import Adasum
+from elastic.torch.sync_batch_norm import SyncBatchNorm
 from elastic.training.optimizer import Compression, DistributedOptimizer
 from elastic.worker import collectives as _c
 from elastic.worker import runtime as _rt
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "DistributedOptimizer", "Compression", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "barrier", "allreduce",
-    "allreduce_", "allgather", "broadcast", "broadcast_", "elastic", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
+    "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet",
+    "ProcessSetStaleError", "Product", "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "synchronize",
 ]
 
 HorovodInternalError = WorkersDepartedError
@@ -25,34 +85,3 @@ init, shutdown, is_initialized = _rt.init, _rt.shutdown, _rt.is_initialized
 rank, size, local_rank, local_size = _rt.rank, _rt.size, _rt.local_rank, _rt.local_size
 cross_rank, cross_size = _rt.cross_rank, _rt.cross_size
 broadcast_parameters, broadcast_optimizer_state = _c.broadcast_parameters, _c.broadcast_optimizer_state
-broadcast_object, allgather_object, barrier = _c.broadcast_object, _c.allgather_object, _c.barrier
-
-
-def _op(average, op):
-    if op is not None:
-        return op
-    return Sum if average is False else Average
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0):
-    """Horovod's signature; ``name`` is accepted and ignored (no negotiation here)."""
-    wire, ctx = compression.compress(tensor.detach().clone() * prescale_factor)
-    out = compression.decompress(_c.allreduce_(wire, _op(average, op)), ctx)
-    return out * postscale_factor if postscale_factor != 1.0 else out
-
-
-def allreduce_(tensor, average=None, name=None, op=None):
-    return _c.allreduce_(tensor, _op(average, op))
-
-
-def allgather(tensor, name=None):
-    return _c.allgather(tensor)
-
-
-def broadcast(tensor, root_rank, name=None):
-    return _c.broadcast(tensor, root_rank)
-
-
-def broadcast_(tensor, root_rank, name=None):
-    return _c.broadcast_(tensor, root_rank)

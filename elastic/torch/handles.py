@@ -1,0 +1,100 @@
+"""Handles for the ``*_async`` ops: ``poll`` and ``synchronize``, and in-flight names.
+
+An async op agrees with its peers when it is issued (a short exchange), then
+its data moves in the background; the handle waits for it in the framework's
+sliced, abort-aware waits, so a departed peer still raises
+WorkersDepartedError. A mismatch found at issue time is raised by
+``synchronize``, as Horovod raises it.
+"""
+
+import threading
+
+from elastic.worker import collectives, runtime
+
+_in_flight = {}          # (op kind, name) -> round id
+_lock = threading.Lock()
+
+
+def _round():
+    w = runtime.worker()
+    return w.round_id if w is not None else 0
+
+
+def claim_name(kind, name):
+    """Reserve ``name`` for an op in flight; a second op by the same name is a ValueError."""
+    if name is None:
+        return None
+    key = (kind, str(name))
+    current = _round()
+    with _lock:
+        if _in_flight.get(key) == current:
+            raise ValueError(f"{kind} '{name}': another {kind} by this name is still in flight; "
+                             "names of ops in flight must be unique (synchronize the first one)")
+        _in_flight[key] = current
+    return key
+
+
+def release_name(key):
+    if key is not None:
+        with _lock:
+            _in_flight.pop(key, None)
+
+
+class Handle:
+    """An op in flight: backend works to wait on, then ``finish()`` builds the result."""
+
+    def __init__(self, works=(), finish=None, worker=None, name_key=None, error=None, what="op"):
+        self._works = list(works)
+        self._finish = finish
+        self._worker = worker
+        self._name_key = name_key
+        self._error = error
+        self._what = what
+        self._done = False
+        self._result = None
+
+    @classmethod
+    def done(cls, result):
+        handle = cls()
+        handle._done, handle._result = True, result
+        return handle
+
+    @classmethod
+    def failed(cls, error, name_key=None):
+        return cls(error=error, name_key=name_key)
+
+    def poll(self):
+        if self._done or self._error is not None:
+            return True
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self):
+        if self._done:
+            return self._result
+        try:
+            if self._error is not None:
+                raise self._error
+            for work in self._works:
+                collectives.wait(work, self._what, self._worker)
+            self._result = self._finish() if self._finish is not None else None
+            self._done = True
+            return self._result
+        finally:
+            release_name(self._name_key)
+            self._name_key = None
+
+
+def poll(handle):
+    """True when ``synchronize(handle)`` would return without waiting."""
+    return _checked(handle).poll()
+
+
+def synchronize(handle):
+    """Wait for an async op and return its output (raises what the op raised)."""
+    return _checked(handle).wait()
+
+
+def _checked(handle):
+    if not isinstance(handle, Handle):
+        raise ValueError(f"not a handle of an elastic.torch async op: {handle!r}")
+    return handle

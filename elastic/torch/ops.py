@@ -1,0 +1,269 @@
+"""``horovod.torch``'s collectives, with its signatures, names and gradients.
+
+Out-of-place ops are differentiable as Horovod defines them: allreduce's
+gradient is the allreduce of the gradient (same op and scale factors);
+allgather's is this rank's slice of the summed gradient; broadcast's is the
+summed gradient on the root and zero elsewhere; alltoall's is the alltoall of
+the gradient back; reducescatter's is the allgather of the gradient (divided
+by the size for Average). In-place (``*_``) and async ops are not tracked.
+"""
+
+import torch
+
+from elastic.torch import move_ops, reduce_ops
+from elastic.torch.handles import Handle
+from elastic.torch.process_sets import global_process_set
+from elastic.torch.reduce_ops import Average, Sum, resolve_op
+from elastic.training.optimizer import Compression
+
+_GLOBAL = global_process_set
+
+
+def _one(handle):
+    """An async handle whose result is the single tensor of a one-tensor op."""
+    inner = handle
+
+    class _Single(Handle):
+        def poll(self):
+            return inner.poll()
+
+        def wait(self):
+            return inner.wait()[0]
+
+    return _Single()
+
+
+# -- allreduce ---------------------------------------------------------------------------
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=_GLOBAL):
+    return _one(reduce_ops.allreduce_async_([tensor], resolve_op(average, op), prescale_factor,
+                                            postscale_factor, name, process_set))
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=_GLOBAL):
+    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor,
+                            postscale_factor, process_set)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=_GLOBAL):
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                            process_set).wait()
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, pre, post, name, process_set, *tensors):
+        ctx.args = (op, pre, post, process_set)
+        outs = [t.detach().clone() for t in tensors]
+        return tuple(reduce_ops.allreduce_async_(outs, op, pre, post, name, process_set).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, process_set = ctx.args
+        grads = [g.contiguous() for g in grads]
+        reduced = reduce_ops.allreduce_async_([g.clone() for g in grads], op, pre, post, None,
+                                              process_set).wait()
+        return (None,) * 5 + tuple(reduced)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=_GLOBAL):
+    op = resolve_op(average, op)
+    wire, ctx = compression.compress(tensor)
+    (out,) = _Allreduce.apply(op, prescale_factor, postscale_factor, name, process_set, wire)
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=_GLOBAL):
+    return reduce_ops.allreduce_async_(list(tensors), resolve_op(average, op), prescale_factor,
+                                       postscale_factor, name, process_set,
+                                       kind="grouped_allreduce")
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=_GLOBAL):
+    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op,
+                                    prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=_GLOBAL):
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                    postscale_factor, process_set).wait()
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=_GLOBAL):
+    op = resolve_op(average, op)
+    wires = [compression.compress(t) for t in tensors]
+    outs = _Allreduce.apply(op, prescale_factor, postscale_factor, name, process_set,
+                            *[w for w, _ in wires])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=_GLOBAL):
+    """Allreduce of a sparse tensor: gather indices and values, then coalesce (sums repeats)."""
+    op = resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse allreduce supports Average and Sum, not {op!r}")
+    t = tensor.coalesce()
+    indices = move_ops.allgather_async([t.indices().t().contiguous()], None, process_set).wait()
+    values = move_ops.allgather_async([t.values()], None, process_set).wait()
+    size = 1 if process_set is None else process_set.size()
+    vals = values[0] / size if op == Average else values[0]
+    out = torch.sparse_coo_tensor(indices[0].t(), vals, t.shape).coalesce()
+    return Handle.done(out)
+
+
+# -- allgather ---------------------------------------------------------------------------
+def allgather_async(tensor, name=None, process_set=_GLOBAL):
+    return _one(move_ops.allgather_async([tensor], name, process_set))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=_GLOBAL):
+    return move_ops.allgather_async(list(tensors), name, process_set)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        handle = move_ops.allgather_async(list(tensors), name, process_set)
+        outs = handle.wait()
+        ctx.process_set = process_set
+        rank = max(process_set.rank(), 0)
+        ctx.slices = []
+        for t, sizes in zip(tensors, getattr(handle, "dim0s", [[t.shape[0] if t.dim() else 1]
+                                                              for t in tensors])):
+            ctx.slices.append((sum(sizes[:rank]), sizes[rank] if sizes else 0, t.dim() == 0))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        summed = reduce_ops.allreduce_async_([g.contiguous().clone() for g in grads], Sum,
+                                             process_set=ctx.process_set).wait()
+        out = []
+        for g, (start, n, scalar) in zip(summed, ctx.slices):
+            piece = g[start:start + n]
+            out.append(piece.reshape(()) if scalar else piece)
+        return (None, None) + tuple(out)
+
+
+def allgather(tensor, name=None, process_set=_GLOBAL):
+    return _Allgather.apply(name, process_set, tensor)[0]
+
+
+def grouped_allgather(tensors, name=None, process_set=_GLOBAL):
+    return list(_Allgather.apply(name, process_set, *tensors))
+
+
+# -- broadcast ---------------------------------------------------------------------------
+def broadcast_async_(tensor, root_rank, name=None, process_set=_GLOBAL):
+    return move_ops.broadcast_async_(tensor, root_rank, name, process_set)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=_GLOBAL):
+    return move_ops.broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=_GLOBAL):
+    return move_ops.broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return move_ops.broadcast_async_(tensor.detach().clone(), root_rank, name,
+                                         process_set).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (summed,) = reduce_ops.allreduce_async_([grad.contiguous().clone()], Sum,
+                                                process_set=ctx.process_set).wait()
+        from elastic.worker import runtime
+        if runtime.rank() != ctx.root_rank:
+            summed.zero_()
+        return summed, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=_GLOBAL):
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+# -- alltoall ----------------------------------------------------------------------------
+def alltoall_async(tensor, splits=None, name=None, process_set=_GLOBAL):
+    """synchronize() gives (output, received_splits), as in Horovod."""
+    return move_ops.alltoall_async(tensor, splits, name, process_set)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = move_ops.alltoall_async(tensor, splits, name, process_set).wait()
+        ctx.process_set, ctx.received = process_set, received
+        ctx.dim0 = tensor.shape[0]
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _grad_splits):
+        back, _ = move_ops.alltoall_async(grad.contiguous(), ctx.received, None,
+                                          ctx.process_set).wait()
+        if back.shape[0] < ctx.dim0:     # rows that were never sent get no gradient
+            back = torch.cat([back, back.new_zeros((ctx.dim0 - back.shape[0],)
+                                                   + tuple(back.shape[1:]))])
+        return back, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=_GLOBAL):
+    """The rows for this rank from every rank; with ``splits``, also the received splits."""
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# -- reducescatter -----------------------------------------------------------------------
+def reducescatter_async(tensor, name=None, op=Average, process_set=_GLOBAL,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    return _one(reduce_ops.reducescatter_async([tensor], op, prescale_factor, postscale_factor,
+                                               name, process_set))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=_GLOBAL,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    return reduce_ops.reducescatter_async(list(tensors), op, prescale_factor, postscale_factor,
+                                          name, process_set)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, pre, post, name, process_set, *tensors):
+        ctx.args = (op, pre * post, process_set)
+        return tuple(reduce_ops.reducescatter_async(list(tensors), op, pre, post, name,
+                                                    process_set).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, factor, process_set = ctx.args
+        gathered = move_ops.allgather_async([g.contiguous() for g in grads], None,
+                                            process_set).wait()
+        if op == Average:
+            factor /= process_set.size()
+        return (None,) * 5 + tuple(g * factor if factor != 1.0 else g for g in gathered)
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=_GLOBAL, prescale_factor=1.0, postscale_factor=1.0):
+    wire, ctx = compression.compress(tensor)
+    (out,) = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set, wire)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=_GLOBAL, prescale_factor=1.0, postscale_factor=1.0):
+    wires = [compression.compress(t) for t in tensors]
+    outs = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set,
+                                *[w for w, _ in wires])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]

@@ -1,0 +1,204 @@
+"""Horovod's process sets: collectives among a subset of the ranks.
+
+A process set gets its own gloo group (and NCCL group, on GPUs), built by its
+members the first time they use it in a round. Registration is local, not a
+collective: a newcomer that registers its sets at start-up, while the
+survivors are already training, meets them without a global agreement.
+
+Membership changes. Ranks name different workers after a change, so a set
+given as a list of ranks is bound to the round it was added in; using it in a
+later round raises ProcessSetStaleError on every member (re-add it in a reset
+callback). A set given as a rule, ``ProcessSet(lambda size: [...])``, is
+rebuilt from the rule at its first use in each new round.
+"""
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic.exceptions import ElasticError, WorkersDepartedError
+from elastic.protocol import Keys
+from elastic.worker import runtime
+
+
+class ProcessSetStaleError(ElasticError):
+    """A process set defined by ranks was used after a membership change."""
+
+
+class ProcessSet:
+    """A subset of ranks, given as a list of ranks or as a rule ``size -> ranks``."""
+
+    def __init__(self, ranks_or_rule):
+        self._rule = ranks_or_rule if callable(ranks_or_rule) else None
+        self._fixed = None if self._rule else _checked_ranks(ranks_or_rule)
+        self.process_set_id = None
+        self._round = None         # the round the current binding belongs to
+        self._ranks = self._fixed
+        self._groups = None        # (cpu group, device group) for this round
+
+    @property
+    def ranks(self):
+        if self._rule is not None:
+            return _checked_ranks(self._rule(runtime.size()))
+        return list(self._fixed)
+
+    def size(self):
+        return len(self.ranks)
+
+    def rank(self):
+        """This process's rank inside the set, or -1 when it is not a member."""
+        ranks = self.ranks
+        return ranks.index(runtime.rank()) if runtime.rank() in ranks else -1
+
+    def included(self):
+        return runtime.rank() in self.ranks
+
+    def __repr__(self):
+        what = "rule" if self._rule else self._fixed
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={what})"
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Every rank of the current round; its groups are the round's own."""
+
+    def __init__(self):
+        super().__init__(lambda size: list(range(size)))
+        self.process_set_id = 0
+
+    def __repr__(self):
+        return "global_process_set"
+
+
+global_process_set = _GlobalProcessSet()
+_registered = {0: global_process_set}
+_next_id = [1]
+_generations = {}      # (round, ranks) -> times built, so a re-added set gets a fresh prefix
+_abandoned = []        # old groups are never destroyed: their work may be stuck on a dead peer
+_lock = threading.Lock()
+
+
+def _checked_ranks(ranks):
+    try:
+        out = [int(r) for r in ranks]
+    except TypeError:
+        raise ValueError(f"a process set needs a list of ranks, not {ranks!r}") from None
+    if not out or any(r < 0 for r in out) or len(set(out)) != len(out):
+        raise ValueError(f"process set ranks must be distinct non-negative ints, got {out}")
+    return sorted(out)
+
+
+def add_process_set(process_set):
+    """Register a ProcessSet (or a list of ranks); returns the registered ProcessSet."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} is already registered")
+    ranks = ps.ranks
+    if max(ranks) >= runtime.size():
+        raise ValueError(f"process set ranks {ranks} exceed the job size {runtime.size()}")
+    with _lock:
+        for other in _registered.values():
+            if other is not global_process_set and other._rule is None and ps._rule is None \
+                    and other._fixed == ranks:
+                raise ValueError(f"a process set with ranks {ranks} is already registered")
+        ps.process_set_id = _next_id[0]
+        _next_id[0] += 1
+        _registered[ps.process_set_id] = ps
+    w = runtime.ensure_joined()
+    ps._round = w.round_id if w is not None else 0
+    return ps
+
+
+def remove_process_set(process_set):
+    """Unregister a set; returns False when it was not registered (or is the global one)."""
+    if process_set is global_process_set or process_set.process_set_id is None:
+        return False
+    with _lock:
+        found = _registered.pop(process_set.process_set_id, None) is not None
+    if process_set._groups is not None:
+        _abandoned.append(process_set._groups)
+    process_set._groups = None
+    process_set.process_set_id = None
+    return found
+
+
+class Binding:
+    """What an op needs to run on a set in the current round."""
+
+    def __init__(self, worker, ranks, cpu_group, device_group):
+        self.worker = worker
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.rank = ranks.index(worker.membership.rank) if worker else 0
+        self.cpu_group = cpu_group
+        self.device_group = device_group
+
+    def group_for(self, tensor):
+        return self.device_group if tensor.is_cuda else self.cpu_group
+
+    def global_rank(self, set_rank):
+        return self.ranks[set_rank]
+
+
+def bind(process_set=None):
+    """Resolve ``process_set`` for the current round; None means standalone (size 1)."""
+    ps = global_process_set if process_set is None else process_set
+    if not isinstance(ps, ProcessSet):
+        raise ValueError(f"process_set must be a ProcessSet, not {type(ps).__name__}")
+    w = runtime.ensure_joined()
+    if w is None:
+        return None
+    if ps is global_process_set:
+        return Binding(w, list(range(w.membership.size)), w.cpu_group, w.device_group)
+    if ps.process_set_id is None:
+        raise ValueError(f"{ps!r} is not registered: call add_process_set() first")
+    if ps._rule is None and ps._round != w.round_id:
+        raise ProcessSetStaleError(
+            f"process set {ps.process_set_id} (ranks {ps._fixed}) was defined in round "
+            f"{ps._round}; the job's membership has changed since (now round {w.round_id}). "
+            "Remove it and add it again in a reset callback, or define it by a rule: "
+            "ProcessSet(lambda size: [...])")
+    ranks = ps.ranks
+    if w.membership.rank not in ranks:
+        raise ValueError(f"rank {w.membership.rank} is not in {ps!r}; only its members may "
+                         "run its collectives")
+    if ps._groups is None or ps._round != w.round_id or ps._ranks != ranks:
+        if ps._groups is not None:
+            _abandoned.append(ps._groups)
+        ps._groups = _build(w, ranks)
+        ps._round, ps._ranks = w.round_id, ranks
+    return Binding(w, ranks, *ps._groups)
+
+
+def _build(w, ranks):
+    """Build the members' groups off-thread, so that an aborted round interrupts the wait."""
+    key = (w.round_id, tuple(ranks))
+    with _lock:
+        generation = _generations.get(key, 0)
+        _generations[key] = generation + 1
+    prefix = f"{Keys.process_group(w.round_id)}ps/{'-'.join(map(str, ranks))}/{generation}/"
+    store = dist.PrefixStore(prefix, w.control.raw)
+    me, n = ranks.index(w.membership.rank), len(ranks)
+    nccl = w.device_group is not w.cpu_group
+    result = {}
+
+    def build():
+        try:
+            result["cpu"] = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), me, n,
+                                                  timedelta(seconds=w.collective_timeout))
+            if nccl:
+                result["device"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), me, n)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+            result["error"] = exc
+
+    builder = threading.Thread(target=build, name="elastic-process-set", daemon=True)
+    builder.start()
+    deadline = time.monotonic() + w.collective_timeout
+    while builder.is_alive():
+        builder.join(runtime.WAIT_SLICE_S)
+        if builder.is_alive() and (w.round_aborted() or time.monotonic() > deadline):
+            raise WorkersDepartedError(f"process set {ranks} did not form in round {w.round_id}")
+    if "error" in result:
+        raise WorkersDepartedError(f"process set {ranks}: {result['error']}")
+    return result["cpu"], result.get("device", result["cpu"])

@@ -1,0 +1,63 @@
+"""Horovod's build and runtime queries, answered for this implementation.
+
+The data plane is torch.distributed: gloo always, NCCL when torch has it and a
+GPU is used. There is no MPI, oneCCL, DDL or ROCm path here.
+"""
+
+import torch
+import torch.distributed as dist
+
+from elastic.worker import runtime
+
+
+def gloo_built():
+    return dist.is_gloo_available()
+
+
+def gloo_enabled():
+    return dist.is_gloo_available()
+
+
+def nccl_built():
+    """NCCL's version as Horovod reports it (e.g. 21903), or 0 when torch has no NCCL."""
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a torch without a usable NCCL
+        return 0
+    return major * 10000 + minor * 100 + patch if major >= 2 and minor >= 9 \
+        else major * 1000 + minor * 100 + patch
+
+
+def mpi_built():
+    return False
+
+
+def mpi_enabled():
+    return False
+
+
+def mpi_threads_supported():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def cuda_built():
+    return torch.backends.cuda.is_built()
+
+
+def is_homogeneous():
+    """True when every host runs the same number of workers."""
+    return runtime.local_size() * runtime.cross_size() == runtime.size()

@@ -1,0 +1,48 @@
+"""Horovod's PyTorch op behaviours on real gloo, under elasticrun with 2 and 3 workers.
+
+One job per world size runs every check of tests/workloads/hvd_ops_suite.py
+(torch is imported once per worker); each test here asserts one check on
+every rank.
+"""
+
+import json
+import sys
+
+import pytest
+from jobs import REPO, Job
+
+sys.path.insert(0, str(REPO / "tests" / "workloads"))
+import hvd_ops_suite  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SCRIPT = REPO / "tests" / "workloads" / "hvd_ops_suite.py"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def suite(request, tmp_path_factory):
+    n = request.param
+    job = Job(tmp_path_factory.mktemp(f"ops{n}"), ["-np", str(n), "-H", f"localhost:{n}"],
+              env={"ELASTIC_COLLECTIVE_TIMEOUT": "60"}, script=SCRIPT)
+    code = job.run(timeout=400)
+    per_rank = {}
+    for path in sorted(job.out.glob("ops.*.json")):
+        data = json.loads(path.read_text())
+        per_rank[int(path.name.split(".")[1])] = data
+    return {"n": n, "code": code, "log": job.output(), "ranks": per_rank}
+
+
+def test_job_ran_every_check_on_every_rank(suite):
+    assert suite["code"] == 0, suite["log"][-4000:]
+    assert sorted(suite["ranks"]) == list(range(suite["n"])), suite["log"][-4000:]
+    for data in suite["ranks"].values():
+        assert data["size"] == suite["n"]
+        assert set(data["results"]) == set(hvd_ops_suite.CHECKS)
+
+
+@pytest.mark.parametrize("check", sorted(hvd_ops_suite.CHECKS))
+def test_op_behaviour(suite, check):
+    assert suite["ranks"], suite["log"][-4000:]
+    for rank, data in sorted(suite["ranks"].items()):
+        result = data["results"].get(check)
+        assert result is not None, f"rank {rank} never reached {check}:\n{suite['log'][-3000:]}"
+        assert result["ok"], f"rank {rank}: {result['error']}\n{result['trace']}"
