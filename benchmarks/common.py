@@ -45,6 +45,16 @@ def small_cnn():
         nn.Linear(128, 10))
 
 
+def deep_64(layers=200):
+    """Many small parameters: ``layers`` Linear(64, 64) layers (weight and bias each), then a
+    Linear(64, 10) head. Per-parameter overhead, not bandwidth, decides its step time."""
+    import torch.nn as nn
+    body = []
+    for _ in range(layers):
+        body += [nn.Linear(64, 64), nn.Tanh()]
+    return nn.Sequential(*body, nn.Linear(64, 10))
+
+
 def tiny_mlp():
     """The small model of the elasticrun jobs (recovery, scale-up, restart baseline)."""
     import torch.nn as nn
@@ -71,7 +81,7 @@ def batch_for(kind, batch, seed):
     if kind == "cnn":
         x = torch.randn(batch, 3, 32, 32, generator=g)
     else:
-        x = torch.randn(batch, {"mlp": 1024, "mlp1m": 512, "tiny": 64}[kind], generator=g)
+        x = torch.randn(batch, {"mlp": 1024, "mlp1m": 512, "tiny": 64, "deep": 64}[kind], generator=g)
     return x, torch.randint(0, 10, (batch,), generator=g)
 
 

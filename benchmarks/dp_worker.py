@@ -44,8 +44,9 @@ def steady(res, o):
     store = dist.TCPStore("127.0.0.1", int(os.environ["BENCH_DDP_PORT"]), size, rank == 0,
                           timeout=timedelta(seconds=120), use_libuv=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
-    kinds = o.get("kinds", "mlp:cnn").split(":")
-    for kind, build in (("mlp", common.mlp_10m), ("cnn", common.small_cnn)):
+    kinds = o.get("kinds", "mlp:cnn:deep").split(":")
+    for kind, build in (("mlp", common.mlp_10m), ("cnn", common.small_cnn),
+                        ("deep", common.deep_64)):
         if kind not in kinds:
             continue
         torch.manual_seed(0)

@@ -94,9 +94,15 @@ def section(name):
 @section("steady state")
 def bench_steady():
     reps = 5 if QUICK else 20
+    kinds = os.environ.get("BENCH_STEADY_KINDS", "mlp:cnn:deep")
     r0 = common.launch(BENCH / "dp_worker.py", 2, ["steady", f"reps={reps}", "steps=2",
-                                                     f"reps_cnn={2 * reps}", "batch=16"])[0]
-    for kind, label in (("mlp", "MLP"), ("cnn", "small CNN")):
+                                                     f"reps_cnn={2 * reps}",
+                                                     f"reps_deep={2 * reps}", "batch=16",
+                                                     f"kinds={kinds}"])[0]
+    for kind, label in (("mlp", "MLP"), ("cnn", "small CNN"),
+                        ("deep", "200 x Linear(64, 64)")):
+        if kind not in r0:
+            continue
         d = r0[kind]
         es, bs = d["step_s"]["elastic"], d["step_s"]["ddp"]
         e, b = median(es), median(bs)
@@ -112,6 +118,8 @@ def bench_steady():
                      f"min/median/max elastic {ms(min(es))}/{ms(e)}/{ms(max(es))}, DDP "
                      f"{ms(min(bs))}/{ms(b)}/{ms(max(bs))}; ratio = median of the back-to-back "
                      f"pairs; elastic used {d['buckets']} bucket(s) of ≤25 MB")
+    if "mlp" not in r0:
+        return
     d = r0["mlp"]
     ratio = d["wire_bytes_fp16_per_step"] / d["wire_bytes_per_step"]
     row("fp16 compression: gradient bytes on the wire per step (MLP)",

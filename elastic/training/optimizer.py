@@ -1,15 +1,22 @@
 """DistributedOptimizer: averages gradients across ranks before the wrapped optimizer steps.
 
-Gradients travel in size-capped buckets, in reverse parameter order (the order
-backward produces them). A post-accumulate hook launches a bucket's allreduce
-once its last gradient is ready, so communication overlaps the rest of
-backward. Buckets launch strictly in index order, so every rank issues the same
-collectives in the same order even when ranks leave different parameters
-unused. Each bucket owns one preallocated flat buffer, reused every step; a new
-round gets new buffers, as abandoned gloo work may still write into the old ones.
+Gradients travel in size-capped buckets (or the groups the caller gives), in
+reverse parameter order (the order backward produces them). A post-accumulate
+hook launches a bucket's allreduce once its last gradient is ready, so
+communication overlaps the rest of backward. Buckets launch strictly in index
+order, so every rank issues the same collectives in the same order even when
+ranks leave different parameters unused.
+
+Each bucket owns one flat buffer, reused every step. Where the wire dtype is the
+parameter's (no compression), ``p.grad`` *is* a view into that buffer, as with
+DDP's gradient_as_bucket_view: backward accumulates straight into the bucket,
+the allreduce works in place, ``zero_grad()`` zeroes one buffer per bucket, and
+no gradient is copied on the way. A new round gets new buffers, as abandoned
+gloo work may still write into the old ones. The per-step path does O(1) work
+per hook call and per bucket; the layout is rebuilt only when the round or the
+trainable set changes.
 """
 
-import collections
 import contextlib
 import threading
 import weakref
@@ -17,63 +24,15 @@ import weakref
 import torch
 
 from elastic.exceptions import WorkersDepartedError
+from elastic.training.compression import Compression, FP16Compressor, NoneCompressor
+from elastic.training.optimizer_checks import check_groups, check_names, check_passes, check_process_set
+from elastic.training.optimizer_layout import build_buckets
 from elastic.worker import collectives, runtime
 from elastic.worker.collectives import Average, ReduceOp
 
+__all__ = ["Compression", "DistributedOptimizer", "FP16Compressor", "NoneCompressor"]
+
 _OPS = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
-
-
-class NoneCompressor:
-    """Sends gradients as they are.
-
-    A compressor is any object with compress(tensor) -> (wire, ctx) and
-    decompress(wire, ctx) -> tensor. One that only changes the dtype may also
-    define wire_dtype(dtype): buckets then cast with copy_ into their
-    preallocated buffers instead of calling compress/decompress, which allocate.
-    """
-
-    @staticmethod
-    def wire_dtype(dtype):
-        return dtype
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor:
-    """Halves the bytes of floating gradients on the wire; other dtypes pass unchanged."""
-
-    @staticmethod
-    def wire_dtype(dtype):
-        return torch.float16 if dtype.is_floating_point else dtype
-
-    @staticmethod
-    def compress(tensor):
-        return tensor.to(FP16Compressor.wire_dtype(tensor.dtype)), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor.to(ctx)
-
-
-class Compression:
-    """The built-in compressors, named as in Horovod."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-
-
-class _Bucket:
-    __slots__ = ("params", "views", "ctxs", "flat", "nbytes", "ready", "handle")
-
-    def __init__(self):
-        self.params, self.views, self.ctxs = [], [], []
-        self.flat, self.nbytes, self.ready, self.handle = None, 0, 0, None
 
 
 def _remove_hooks(handles):
@@ -87,32 +46,45 @@ def _delegated(name):
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Wraps an optimizer; subclasses Optimizer only so that lr schedulers accept it.
+    """Wraps an optimizer; see DistributedOptimizer.
 
     Optimizer.__init__ is deliberately not called: param_groups, state and
     defaults are the wrapped optimizer's, and unknown attributes delegate to it.
+    DistributedOptimizer() returns an instance of a subclass of both this class
+    and the wrapped optimizer's class, so isinstance() checks keep working.
     """
 
     param_groups, state, defaults = (_delegated(n) for n in ("param_groups", "state", "defaults"))
 
     def __init__(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
-                 bucket_cap_mb):
-        if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, "
-                             f"not {backward_passes_per_step!r}")
-        if op not in _OPS or not bucket_cap_mb > 0:
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb):
+        if op not in _OPS or not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bad op {op!r} or bucket_cap_mb {bucket_cap_mb!r}")
+        if gradient_predivide_factor != 1.0:
+            if op != Average:
+                raise ValueError("gradient_predivide_factor not supported with op != Average")
+            if not gradient_predivide_factor > 0:
+                raise ValueError(f"gradient_predivide_factor must be > 0, "
+                                 f"not {gradient_predivide_factor!r}")
         self._opt, self._compression, self._op = optimizer, compression, op
-        self._cast_only = hasattr(compression, "wire_dtype")
-        self._k = backward_passes_per_step
+        self._k = check_passes(backward_passes_per_step)
         self._cap = max(1, int(bucket_cap_mb * 2 ** 20))
-        self._names = _check_names(optimizer, named_parameters)
+        self._names = check_names(optimizer, named_parameters)
+        self._groups = check_groups(groups, optimizer)
+        self._predivide = float(gradient_predivide_factor)
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._process_set = check_process_set(process_set)
         self._lock = threading.Lock()
         self._hook_handles, self._hooked = [], set()
         weakref.finalize(self, _remove_hooks, self._hook_handles)
-        self._buckets = self._built_for = None  # built lazily for one round and trainable set
-        self._slot, self._passes = {}, {}       # param -> bucket; param -> passes this cycle
-        self._next = 0                          # index of the next bucket to launch
+        self._buckets = None         # built lazily for one round and trainable set
+        self._round = None           # the round the buckets were built for
+        self._stale = False          # the trainable set changed: rebuild at the next cycle
+        self._slot = {}              # param -> (bucket, position in it, index)
+        self._stamp, self._count = [], []  # per index: cycle of the last pass, passes in it
+        self._cycle = 0
+        self._sparse = set()         # params whose gradients come sparse and go back sparse
+        self._next = 0               # index of the next bucket to launch
         self._cycle_open = self._synchronized = self._skip = self._no_sync = False
         self._error = None
         self.wire_bytes = 0
@@ -126,6 +98,47 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self):
         return f"DistributedOptimizer({self._opt!r})"
 
+    # -- Horovod's attributes ----------------------------------------------------------------
+    @property
+    def op(self):
+        """The reduction applied to gradients across ranks (Average unless set otherwise)."""
+        return self._op
+
+    @property
+    def backward_passes_per_step(self):
+        return self._k
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes):
+        self.set_backward_passes_per_step(passes)
+
+    def set_backward_passes_per_step(self, passes):
+        """Change how many backward passes accumulate before the reduction; restarts counting."""
+        passes = check_passes(passes)
+        with self._lock:
+            if any(b.handle is not None for b in self._buckets or ()):
+                raise RuntimeError("set_backward_passes_per_step() while gradients are being "
+                                   "reduced; call it after step() or synchronize()")
+            self._k = passes
+            self._end_cycle(drop_buffers=False)
+
+    @property
+    def gradient_predivide_factor(self):
+        return self._predivide
+
+    @property
+    def sparse_as_dense(self):
+        return self._sparse_as_dense
+
+    @property
+    def process_set(self):
+        return self._process_set
+
+    @property
+    def bucket_count(self):
+        return len(self._buckets or ())
+
+    # -- torch.optim.Optimizer -----------------------------------------------------------------
     def state_dict(self):
         return self._opt.state_dict()
 
@@ -134,17 +147,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         self._opt.add_param_group(param_group)
+        self._stale = True
         self._register_hooks()
 
     def zero_grad(self, set_to_none=True):
-        """Also restarts accumulation, as zeroing the gradients does."""
-        with self._lock:
-            self._end_cycle(drop_buffers=any(b.handle is not None for b in self._buckets or ()))
-        self._opt.zero_grad(set_to_none=set_to_none)
+        """Zero the gradients; also restarts accumulation.
 
-    @property
-    def bucket_count(self):
-        return len(self._buckets or ())
+        Gradients that are views into the buckets stay views, zeroed in place (one
+        fill per bucket), so the next backward accumulates straight into them;
+        ``p.grad`` is therefore a zero tensor, not None, whatever ``set_to_none``
+        says. Other gradients follow the wrapped optimizer's ``zero_grad``.
+        """
+        with self._lock:
+            in_flight = any(b.handle is not None for b in self._buckets or ())
+            self._end_cycle(drop_buffers=in_flight)
+            fast = self._buckets is not None and not self._stale
+            buckets = self._buckets or ()
+        if not fast:
+            self._opt.zero_grad(set_to_none=set_to_none)
+            return
+        for bucket in buckets:
+            if bucket.as_view:
+                bucket.flat.zero_()
+            for p in bucket.loose:
+                _zero_grad(p, set_to_none)
+        for p in self._sparse:
+            p.grad = None
 
     def step(self, closure=None):
         """Synchronize (unless inside skip_synchronize()), then step the wrapped optimizer.
@@ -166,11 +194,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             result = self._opt.step()
         self._synchronized = False
         return result
-
-    @property
-    def op(self):
-        """The reduction applied to gradients across ranks (Average unless set otherwise)."""
-        return self._op
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -198,10 +221,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip = False
 
     def synchronize(self):
-        """Launch the buckets still pending, wait for all, and write the results into p.grad.
+        """Launch the buckets still pending, wait for all, and leave the results in p.grad.
 
         A parameter without a gradient on this rank sends zeros, so every rank
         runs the same collectives; afterwards it holds the average like the rest.
+        A parameter frozen since the buckets were built sends zeros too, and its
+        gradient is left None.
         """
         with self._lock:
             if self._error is not None:
@@ -214,7 +239,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if not self._cycle_open:
                     self._open_cycle()
                 w = runtime.worker()  # in-flight work belongs to its round: never join one here
-                if w is not None and (w.membership is None or w.round_id != self._built_for[0]):
+                if w is not None and (w.membership is None or w.round_id != self._round):
                     raise WorkersDepartedError("membership changed while gradients were in flight")
                 self._launch_in_order(all_ready=True)
                 for bucket in self._buckets:
@@ -241,58 +266,56 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._hooked.add(p)
 
     def _open_cycle(self):
-        """Start an accumulation cycle; rebuild buckets if the round or trainable set changed."""
-        trainable = [p for g in self._opt.param_groups for p in g["params"] if p.requires_grad]
+        """Start an accumulation cycle; rebuild the buckets if the round or trainable set
+        changed. O(1) unless it rebuilds."""
         w = runtime.ensure_joined()  # joins a round first if we are between rounds
-        key = (w.round_id if w is not None else 0, tuple(map(id, trainable)))
-        if self._buckets is None or key != self._built_for:
-            self._register_hooks()
-            self._build(trainable)
-            self._built_for = key
+        round_id = w.round_id if w is not None else 0
+        if self._buckets is None or self._stale or round_id != self._round:
+            self._rebuild(round_id)
         self._cycle_open, self._synchronized = True, False
+
+    def _rebuild(self, round_id):
+        trainable = [p for g in self._opt.param_groups for p in g["params"] if p.requires_grad]
+        self._register_hooks()
+        as_view = isinstance(self._compression, type) and issubclass(
+            self._compression, NoneCompressor)
+        self._release_views()
+        self._buckets = build_buckets(trainable, self._groups, self._cap, self._compression,
+                                      as_view)
+        self._slot = {p: (b, i, n) for n, (b, i, p) in enumerate(
+            (b, i, p) for b in self._buckets for i, p in enumerate(b.params))}
+        self._stamp, self._count = [-1] * len(self._slot), [0] * len(self._slot)
+        self._round, self._stale = round_id, False
+
+    def _release_views(self):
+        """Gradients that are views into buffers we give up become None: abandoned work may
+        still write there. Only on a rebuild or a failure, never per step."""
+        for bucket in self._buckets or ():
+            if bucket.as_view:
+                for p, view in zip(bucket.params, bucket.views):
+                    if p.grad is view:
+                        p.grad = None
 
     def _end_cycle(self, drop_buffers):
         if drop_buffers:  # in-flight work may still write the old buffers: never reuse them
-            self._buckets = self._built_for = None
+            self._release_views()
+            self._buckets = self._round = None
         for bucket in self._buckets or ():
             bucket.ready, bucket.handle = 0, None
-        self._passes.clear()
+            if bucket.sparse:
+                bucket.sparse = []
+            if bucket.frozen:
+                bucket.frozen = []
+        self._cycle += 1
         self._next, self._cycle_open, self._error = 0, False, None
-
-    def _build(self, trainable):
-        buckets, open_buckets = [], {}
-        for p in reversed(trainable):
-            nbytes = p.numel() * p.element_size()
-            bucket = open_buckets.get((p.dtype, p.device))
-            if bucket is None or bucket.nbytes + nbytes > self._cap:
-                bucket = open_buckets[(p.dtype, p.device)] = _Bucket()
-                buckets.append(bucket)
-            bucket.params.append(p)
-            bucket.nbytes += nbytes
-        self._slot = {}
-        for bucket in buckets:
-            first = bucket.params[0]
-            if self._cast_only:
-                dtype = self._compression.wire_dtype(first.dtype)
-            else:
-                dtype = self._compression.compress(first.new_zeros(1))[0].dtype
-            bucket.flat = torch.zeros(sum(p.numel() for p in bucket.params), dtype=dtype,
-                                      device=first.device)
-            offset = 0
-            for p in bucket.params:
-                bucket.views.append(bucket.flat[offset: offset + p.numel()].view(p.shape))
-                bucket.ctxs.append(None)
-                offset += p.numel()
-                self._slot[p] = bucket
-        self._buckets = buckets
 
     def _on_grad_ready(self, p):
         with self._lock:
             if self._error is not None:
                 return
             if self._no_sync:
-                bucket = self._slot.get(p) if self._cycle_open else None
-                if bucket is not None and self._buckets.index(bucket) < self._next:
+                slot = self._slot.get(p) if self._cycle_open else None
+                if slot is not None and slot[0].index < self._next:
                     raise RuntimeError(
                         f"gradient of {self._names.get(p, 'a parameter')} changed inside "
                         "no_sync() after its allreduce was launched in this step; "
@@ -303,43 +326,96 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if not self._cycle_open:
                     self._open_cycle()
                 self._synchronized = False
-                bucket = self._slot.get(p)
-                if bucket is None:
-                    return  # not trainable when this cycle began; bucketed from the next one
-                passes = self._passes[p] = self._passes.get(p, 0) + 1
+                slot = self._slot.get(p)
+                if slot is None:
+                    self._stale = True  # trainable since the buckets were built: next cycle
+                    return
+                bucket, i, n = slot
+                if self._stamp[n] != self._cycle:
+                    self._stamp[n], passes = self._cycle, 1
+                else:
+                    passes = self._count[n] + 1
+                self._count[n] = passes
                 if passes > self._k:
                     raise RuntimeError(
                         f"gradient of {self._names.get(p, 'a parameter')} was computed {passes} "
                         f"times before step(); set backward_passes_per_step={passes} or call "
                         "step() or synchronize() after each backward pass")
                 if passes == self._k:
+                    if bucket.as_view:
+                        self._adopt(bucket, i, p)
                     bucket.ready += 1
-                    self._launch_in_order()
+                    if bucket.ready == len(bucket.params):
+                        self._launch_in_order()
             except WorkersDepartedError as exc:  # raised from synchronize(), not mid-backward
                 self._error = exc
 
+    @torch.no_grad()
+    def _adopt(self, bucket, i, p):
+        """Make p.grad the bucket's view (a no-op in steady state: backward accumulated
+        into it). A gradient that backward made anew is copied in once."""
+        view, grad = bucket.views[i], p.grad
+        if grad is view:
+            return
+        if grad is None:
+            view.zero_()
+        elif grad.is_sparse:
+            view.copy_(grad.to_dense())
+            self._sparse.add(p)
+            bucket.sparse.append((p, i, grad.sparse_dim()))
+            return
+        else:
+            view.copy_(grad)
+        p.grad = view
+
     def _launch_in_order(self, all_ready=False):
         """Launch ready buckets, never one before its predecessors: same order on every rank."""
-        while self._next < len(self._buckets):
-            bucket = self._buckets[self._next]
-            if not (all_ready or bucket.ready == len(bucket.params)):
-                return
+        buckets = self._buckets
+        while self._next < len(buckets):
+            bucket = buckets[self._next]
+            if bucket.ready != len(bucket.params):
+                if not all_ready:
+                    return
+                self._complete(bucket)
             self._launch(bucket)
             self._next += 1
 
+    def _complete(self, bucket):
+        """Before a bucket goes out with gradients missing: unused parameters send what
+        p.grad holds (zeros when None); frozen ones send zeros and keep no gradient."""
+        for i, p in enumerate(bucket.params):
+            n = self._slot[p][2]
+            if self._stamp[n] == self._cycle and self._count[n] >= self._k:
+                continue
+            if not p.requires_grad:
+                self._stale = True
+                bucket.frozen.append(p)
+                if p.grad is not None:
+                    p.grad = None
+                bucket.views[i].zero_()
+            elif bucket.as_view:
+                self._adopt(bucket, i, p)
+
     @torch.no_grad()
     def _launch(self, bucket):
-        for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
-            grad = p.grad
-            if grad is None:
-                view.zero_()
-            elif grad.is_sparse:
-                raise ValueError("DistributedOptimizer does not support sparse gradients")
-            elif self._cast_only:
-                view.copy_(grad)
-            else:
-                wire, bucket.ctxs[i] = self._compression.compress(grad)
-                view.copy_(wire.view(view.shape))
+        if not bucket.as_view:
+            frozen = set(bucket.frozen)
+            for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+                grad = p.grad
+                if p in frozen:
+                    continue
+                if grad is None:
+                    view.zero_()
+                    continue
+                if grad.is_sparse:
+                    grad = grad.to_dense()
+                if bucket.cast_only:
+                    view.copy_(grad)
+                else:
+                    wire, bucket.ctxs[i] = self._compression.compress(grad)
+                    view.copy_(wire.view(view.shape))
+        if self._predivide != 1.0 and self._round:   # not standalone (round 0)
+            bucket.flat.div_(self._predivide)
         self.wire_bytes += bucket.flat.numel() * bucket.flat.element_size()
         bucket.handle = collectives.allreduce_async(bucket.flat, self._op)
 
@@ -349,41 +425,75 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if handle is None:
             return  # standalone: the allreduce was an identity, the gradients stand as they are
         collectives.synchronize(handle)
+        if self._predivide != 1.0:
+            bucket.flat.mul_(self._predivide)
+        for p, i, sparse_dim in bucket.sparse:
+            p.grad = bucket.views[i].to_sparse(sparse_dim)
+        if bucket.as_view:
+            return
+        frozen = set(bucket.frozen)
         for p, view, ctx in zip(bucket.params, bucket.views, bucket.ctxs):
+            if p in frozen:
+                continue
+            out = view if bucket.cast_only else self._compression.decompress(view, ctx)
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            p.grad.copy_(view if self._cast_only else self._compression.decompress(view, ctx))
+            if p.grad.is_sparse:
+                p.grad = out.to(p.dtype).to_sparse(p.grad.sparse_dim())
+            else:
+                p.grad.copy_(out)
 
 
-def _check_names(optimizer, named_parameters):
-    """Names only label errors, but a wrong list usually means the wrong model was passed."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        return {p: f"parameter {i}" for i, p in enumerate(params)}
-    named = list(named_parameters)
-    if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-               for item in named):
-        raise ValueError("named_parameters must be (name, parameter) pairs, "
-                         "as model.named_parameters() gives")
-    duplicates = sorted(n for n, c in collections.Counter(n for n, _ in named).items() if c > 1)
-    if duplicates:
-        raise ValueError(f"named_parameters has duplicate names: {duplicates}")
-    names = {p: n for n, p in named}
-    missing = sum(1 for p in params if p not in names)
-    if missing:
-        raise ValueError(f"{missing} parameter(s) of the optimizer are not in named_parameters; "
-                         "pass the named_parameters() of the model the optimizer trains")
-    return names
+def _zero_grad(p, set_to_none):
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+        return
+    if p.grad.grad_fn is not None:
+        p.grad.detach_()
+    else:
+        p.grad.requires_grad_(False)
+    p.grad.zero_()
+
+
+_CLASSES = {}
+
+
+def _class_for(optimizer):
+    """A subclass of _DistributedOptimizer and the optimizer's own class, with its name."""
+    base = type(optimizer)
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base),
+                                    {"__module__": __name__,
+                                     "__doc__": _DistributedOptimizer.__doc__})
+    return cls
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1, op=Average, bucket_cap_mb=25):
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
+                         bucket_cap_mb=25):
     """Wrap ``optimizer`` so that step() applies gradients reduced with ``op`` across ranks.
 
-    With backward_passes_per_step=k, gradients accumulate locally over k
-    backward passes and are reduced on the k-th; call step() after it.
-    Backward passes inside ``no_sync()`` accumulate locally and are not counted.
-    Outside elasticrun (size 1) it steps exactly like the wrapped optimizer.
+    Horovod's signature. With backward_passes_per_step=k, gradients accumulate
+    locally over k backward passes and are reduced on the k-th; call step() after
+    it. Backward passes inside ``no_sync()`` accumulate locally and are not
+    counted. ``gradient_predivide_factor`` f (Average only) divides by f before
+    the sum and multiplies by f/size after. ``groups`` (an int, or lists of
+    parameters; ``num_groups`` is its old name) fixes which gradients travel
+    together: each group is one bucket, and the parameters in no group go in
+    buckets of at most ``bucket_cap_mb`` MiB. Sparse gradients travel dense
+    (as with Horovod's ``sparse_as_dense``, which is accepted) and come back sparse. ``process_set``: only the
+    global one. Outside elasticrun (size 1) it steps exactly like the wrapped
+    optimizer. The result is an instance of the wrapped optimizer's class.
     """
-    return _DistributedOptimizer(optimizer, named_parameters, compression,
-                                 backward_passes_per_step, op, bucket_cap_mb)
+    if num_groups and groups is None:
+        groups = num_groups
+    cls = _class_for(optimizer)
+    return cls(optimizer, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb)
+

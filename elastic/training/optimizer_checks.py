@@ -1,0 +1,71 @@
+"""Checks of DistributedOptimizer's arguments, with Horovod's error wording where it has one."""
+
+import collections
+
+import torch
+
+
+def check_passes(passes):
+    if not (isinstance(passes, int) and not isinstance(passes, bool) and passes >= 1):
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, not {passes!r}")
+    return passes
+
+
+def check_process_set(process_set):
+    """Only the global set: gradients are reduced over the round's group."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return process_set
+    raise ValueError("DistributedOptimizer reduces over every rank of the round; "
+                     "process_set must be global_process_set (see README, Moving from Horovod)")
+
+
+def check_groups(groups, optimizer):
+    """Horovod's ``groups``: None, an int > 0, or lists of the optimizer's parameters."""
+    if groups is None:
+        return None
+    if isinstance(groups, bool):
+        raise ValueError("groups should be a non-negative integer or a list of lists of "
+                         "torch.Tensor")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError("groups should be a non-negative integer or a list of lists of "
+                             "torch.Tensor")
+        return groups or None
+    if not isinstance(groups, (list, tuple)):
+        raise ValueError("groups should be a non-negative integer or a list of lists of "
+                         "torch.Tensor")
+    known = {p for g in optimizer.param_groups for p in g["params"]}
+    seen, out = set(), []
+    for group in groups:
+        members = list(group)
+        for p in members:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError("groups must consist of torch.Tensor")
+            if p in seen:
+                raise ValueError("a parameter can only appear once in groups")
+            if p not in known:
+                raise ValueError("groups holds a tensor that the optimizer does not train")
+            seen.add(p)
+        out.append(members)
+    return out
+
+
+def check_names(optimizer, named_parameters):
+    """Names only label errors, but a wrong list usually means the wrong model was passed."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"parameter {i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+               for item in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, "
+                         "as model.named_parameters() gives")
+    duplicates = sorted(n for n, c in collections.Counter(n for n, _ in named).items() if c > 1)
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+    names = {p: n for n, p in named}
+    missing = sum(1 for p in params if p not in names)
+    if missing:
+        raise ValueError(f"{missing} parameter(s) of the optimizer are not in named_parameters; "
+                         "pass the named_parameters() of the model the optimizer trains")
+    return names

@@ -1,0 +1,90 @@
+"""How DistributedOptimizer lays gradients out in buckets.
+
+One bucket is one flat buffer and one allreduce. Parameters are taken in
+reverse order (the order backward produces their gradients); a bucket holds one
+dtype and device and at most ``cap`` bytes, or exactly one of the caller's
+``groups``. The layout depends only on the parameters and the arguments, so
+every rank builds the same one.
+"""
+
+import torch
+
+
+class Bucket:
+    """One flat buffer, a view per parameter, and the per-cycle bookkeeping."""
+
+    __slots__ = ("index", "params", "views", "ctxs", "flat", "nbytes", "ready", "handle",
+                 "as_view", "cast_only", "loose", "sparse", "frozen")
+
+    def __init__(self, index):
+        self.index = index
+        self.params, self.views, self.ctxs = [], [], []
+        self.flat, self.nbytes, self.ready, self.handle = None, 0, 0, None
+        self.as_view = self.cast_only = False
+        self.loose = []    # params whose p.grad is not a bucket view (compressed buckets)
+        self.sparse = []   # this cycle: (param, position, sparse_dim) to hand back sparse
+        self.frozen = []   # this cycle: params frozen since the build (no gradient kept)
+
+
+def _explicit(trainable, groups):
+    """Per trainable param, its group number, or None."""
+    if groups is None:
+        return {}
+    if isinstance(groups, int):
+        n = min(groups, len(trainable)) or 1
+        per, extra = divmod(len(trainable), n)
+        of, start = {}, 0
+        for g in range(n):
+            size = per + (1 if g < extra else 0)
+            for p in trainable[start:start + size]:
+                of[p] = g
+            start += size
+        return of
+    live = set(trainable)
+    return {p: g for g, members in enumerate(groups) for p in members if p in live}
+
+
+def build_buckets(trainable, groups, cap, compression, as_view):
+    """The buckets for these trainable parameters, with their buffers allocated.
+
+    ``as_view``: the compressor leaves gradients as they are, so parameters' gradients
+    can be views into the buffers.
+    """
+    group_of = _explicit(trainable, groups)
+    buckets, open_buckets, group_buckets = [], {}, {}
+    for p in reversed(trainable):
+        nbytes = p.numel() * p.element_size()
+        g = group_of.get(p)
+        if g is not None:
+            key = (g, p.dtype, p.device)
+            bucket = group_buckets.get(key)
+            if bucket is None:
+                bucket = group_buckets[key] = Bucket(len(buckets))
+                buckets.append(bucket)
+        else:
+            key = (p.dtype, p.device)
+            bucket = open_buckets.get(key)
+            if bucket is None or bucket.nbytes + nbytes > cap:
+                bucket = open_buckets[key] = Bucket(len(buckets))
+                buckets.append(bucket)
+        bucket.params.append(p)
+        bucket.nbytes += nbytes
+    cast_only = hasattr(compression, "wire_dtype")
+    for bucket in buckets:
+        first = bucket.params[0]
+        if cast_only:
+            dtype = compression.wire_dtype(first.dtype)
+        else:
+            dtype = compression.compress(first.new_zeros(1))[0].dtype
+        bucket.cast_only = cast_only
+        bucket.as_view = as_view and dtype == first.dtype
+        bucket.flat = torch.zeros(sum(p.numel() for p in bucket.params), dtype=dtype,
+                                  device=first.device)
+        offset = 0
+        for p in bucket.params:
+            bucket.views.append(bucket.flat[offset: offset + p.numel()].view(p.shape))
+            bucket.ctxs.append(None)
+            offset += p.numel()
+        if not bucket.as_view:
+            bucket.loose = list(bucket.params)
+    return buckets
