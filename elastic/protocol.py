@@ -132,3 +132,57 @@ class Keys:
     @staticmethod
     def process_group(round_id):
         return f"pg/{round_id}/"
+
+
+# -- joining agents (elasticrun --serve / --join) ---------------------------------------------
+
+HELLO_KEY = "elastic/serve/hello"   # raw, outside the namespace: lets a wrong secret be told apart
+
+
+def serve_proof(secret, nonce):
+    """What a serving driver publishes with ``nonce``: an agent holding the same
+    secret recomputes it, so a wrong --secret-file is refused at once."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return hmac.new(secret, b"elastic-serve\0" + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+class AgentKeys:
+    """Keys between a serving driver and its joining agents (all signed but ``slot``,
+    which an agent claims with compare_set before it registers)."""
+
+    FINISHED = "serve/finished"        # the driver's goodbye: agents exit
+
+    @staticmethod
+    def bye(index):
+        """The agent saw FINISHED and stops: the driver may exit."""
+        return f"agent/{index}/bye"
+
+    @staticmethod
+    def slot(index):
+        return f"agent/slot/{index}"
+
+    @staticmethod
+    def info(index):
+        """{"host", "slots", "pid", "token"}: the agent's registration."""
+        return f"agent/{index}/info"
+
+    @staticmethod
+    def accepted(index):
+        """{"ok": true} or {"ok": false, "reason": ...}: the driver's answer."""
+        return f"agent/{index}/accepted"
+
+    @staticmethod
+    def beat(index):
+        """{"seq", "draining"}: the agent is alive (and whether it is leaving)."""
+        return f"agent/{index}/beat"
+
+    @staticmethod
+    def request(index, seq):
+        """Driver -> agent, in order: {"op": "spawn"|"kill", "worker_id", ...}."""
+        return f"agent/{index}/to/{seq}"
+
+    @staticmethod
+    def report(index, seq):
+        """Agent -> driver, in order: {"out": [[worker, stream, line]], "exits": [[worker, code]]}."""
+        return f"agent/{index}/from/{seq}"

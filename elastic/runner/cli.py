@@ -10,7 +10,8 @@ import os
 import shutil
 import sys
 
-from elastic.runner import launcher
+from elastic.runner import launcher, serve
+from elastic.runner.agent import run_agent
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
 from elastic.runner.driver import JobConfig, run_job
 
@@ -75,6 +76,22 @@ def build_parser():
                         "ELASTIC_CHECKPOINT_DIR): rerunning the same command resumes there")
     p.add_argument("--event-log", help="append JSON-lines events (rounds, failures, pauses, "
                    "progress) to this file; `python -m elastic.runner.timeline FILE` draws them")
+    p.add_argument("--serve", action="store_true",
+                   help="run the driver only: admit the agents that join it "
+                        "(elasticrun --join) instead of launching workers")
+    p.add_argument("--port", type=int,
+                   help="with --serve: the port agents and workers connect to (default: any)")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="with --serve/--join: a file holding the job secret (text)")
+    p.add_argument("--join", metavar="HOST:PORT",
+                   help="run as an agent on this host: join the driver serving at HOST:PORT "
+                        "and run its workers here (COMMAND is the training command)")
+    p.add_argument("--host-name", metavar="NAME",
+                   help="with --join: this host's name in the job (default: the hostname)")
+    p.add_argument("--join-timeout", type=float, default=60.0,
+                   help="with --join: how long to wait for the driver to listen (default 60)")
+    p.add_argument("--stop-timeout", type=float, default=20.0,
+                   help="after SIGTERM, how long workers may take to leave (default 20)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -95,7 +112,16 @@ def _check_command(command):
 
 def config_from_args(args):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    _check_command(command)
+    serving = None
+    if args.serve:
+        try:
+            serving = serve.serve_settings(args, command)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    else:
+        if args.port is not None or args.secret_file:
+            raise UsageError("--port and --secret-file go with --serve or --join")
+        _check_command(command)
     if args.np is None and args.min_np is None:
         raise UsageError("give -np (or --min-np)")
     np = args.np if args.np is not None else args.min_np
@@ -109,7 +135,8 @@ def config_from_args(args):
         raise UsageError(f"--min-np {min_np} is larger than --max-np {args.max_np}")
     if np < min_np:
         raise UsageError(f"-np {np} is smaller than --min-np {min_np}")
-    for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout"):
+    for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout",
+                 "join_timeout", "stop_timeout"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -126,7 +153,9 @@ def config_from_args(args):
     if args.hosts and args.discovery_script:
         raise UsageError("give either -H or --host-discovery-script, not both")
     try:
-        if args.discovery_script:
+        if serving is not None:
+            discovery = serving[0]
+        elif args.discovery_script:
             discovery = ScriptDiscovery(args.discovery_script, args.slots, args.discovery_timeout)
             discovery.validate()
         else:
@@ -168,12 +197,28 @@ def config_from_args(args):
         remote_python=args.remote_python, network_interface=args.network_interface,
         extra_env={"ELASTIC_CHECKPOINT_DIR": os.path.abspath(args.checkpoint_dir)}
         if args.checkpoint_dir else {},
+        **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )
+
+
+def _agent_main(args):
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        config = serve.agent_config(args, command)
+        _check_command(command)
+    except (ValueError, UsageError) as exc:
+        sys.stderr.write(f"elasticrun: error: {exc}\n")
+        return 2
+    level = "DEBUG" if args.verbose else (args.log_level or "INFO")
+    logging.basicConfig(level=level, format="elasticrun: %(message)s", stream=sys.stderr)
+    return run_agent(config)
 
 
 def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
+        if args.join:
+            return _agent_main(args)
         config = config_from_args(args)
     except UsageError as exc:
         sys.stderr.write(f"elasticrun: error: {exc}\n")

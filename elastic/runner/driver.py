@@ -61,6 +61,9 @@ class JobConfig:
     ssh_options: list = field(default_factory=list)   # "Key=Value" for ssh -o
     remote_python: str = "python3"    # runs elastic/runner/remote.py on remote hosts
     network_interface: str = None     # store address for remote workers; gloo/NCCL iface
+    port: int = 0                     # the store's port (0: any free one)
+    secret: str = None                # the job secret (None: a fresh one for this job)
+    backend: object = None            # launches on the hosts it owns (joining agents)
 
 
 @dataclass
@@ -80,7 +83,7 @@ class Driver:
     def __init__(self, config):
         self.cfg = config
         self.hosts = HostManager(config.cooldown_range)
-        self.secret = secrets.token_hex(32)
+        self.secret = config.secret or secrets.token_hex(32)
         self.sink = launcher.OutputSink(config.output_dir)
         self.workers = {}          # live workers by id
         self.members = []          # current round's member dicts
@@ -105,10 +108,18 @@ class Driver:
 
     # -- entry point ----------------------------------------------------------------
     def run(self):
-        store = control.connect("0.0.0.0", 0, 30, is_master=True)
+        try:
+            store = control.connect("0.0.0.0", self.cfg.port, 30, is_master=True)
+        except RuntimeError as exc:
+            raise JobFailed(f"cannot listen on port {self.cfg.port}: "
+                            f"{' '.join(str(exc).split())[:200]}") from None
         self.store_port = store.port
         self.control = ControlStore(store, self.secret)
         self.reporter = RoundReporter(self.events, self.control)
+        if self.cfg.backend is not None:
+            self.cfg.backend.attach(self.store_port, self.secret, self.sink)
+            log.info("serving on port %d: waiting for agents (elasticrun --join)",
+                     self.store_port)
         self._first_discovery()
         background = BackgroundDiscovery(self.cfg.discovery, self.cfg.discovery_interval)
         background.start()
@@ -130,6 +141,8 @@ class Driver:
             background.stop(timeout=1.0)
             self.reporter.flush()
             self._stop_all()
+            if self.cfg.backend is not None:
+                self.cfg.backend.close(0 if self.final_round is not None else 1)
 
     # -- discovery ------------------------------------------------------------------
     def _first_discovery(self):
@@ -377,8 +390,7 @@ class Driver:
             self.workers[wid] = WorkerRecord(wid, host, slot, proc, now, heartbeat_at=now)
 
     def _launch(self, wid, host, assignment):
-        env = dict(os.environ)
-        env.update(self.cfg.extra_env)
+        env = dict(self.cfg.extra_env)     # what the job sets; our own environment is added below
         env.update({
             control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(self.store_port),
             control.ENV_SECRET: self.secret, control.ENV_WORKER_ID: wid,
@@ -393,6 +405,10 @@ class Driver:
         iface = self.cfg.network_interface
         if iface:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
+        if self.cfg.backend is not None and self.cfg.backend.owns(host):
+            # A joining agent runs it: only what the job sets travels, not our environment.
+            return self.cfg.backend.start(wid, host, env)
+        env = {**os.environ, **env}
         if launcher.is_local(host, self._local_names):
             env["ELASTIC_DRIVER_PID"] = str(os.getpid())
             try:

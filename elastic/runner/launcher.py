@@ -159,6 +159,21 @@ class OutputSink:
         thread.start()
         return thread
 
+    def write_lines(self, worker_id, name, lines):
+        """Lines that arrived by other means (a joining agent's report): the same
+        prefix on the console, and the same per-worker file."""
+        if self._dir:
+            path = os.path.join(self._dir, f"worker.{worker_id}")
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, name), "ab") as f:
+                f.write("".join(line + "\n" for line in lines).encode())
+        if not self._quiet:
+            target = sys.stdout if name == "stdout" else sys.stderr
+            prefix = f"[{worker_id}]<{name}>:"
+            with self._lock:
+                target.write("".join(f"{prefix}{line}\n" for line in lines))
+                target.flush()
+
     def _pump(self, worker_id, stream, name, file, on_line=None):
         target = sys.stdout if name == "stdout" else sys.stderr
         prefix = f"[{worker_id}]<{name}>:"

@@ -1,0 +1,358 @@
+"""``elasticrun --join HOST:PORT``: the agent that runs a node's or pod's workers.
+
+The cluster (Kubernetes, Slurm, Ray) starts one agent per node; the agent
+registers its host and slots with a serving driver (``elasticrun --serve``)
+and becomes the driver's launcher on that host: it starts and kills local
+workers when the driver's signed requests say so, reports their exits, and
+forwards their output (also printed here, with the same ``[id]<stream>:``
+prefix, for the pod's or node's own log).
+
+Life and death: workers get PDEATHSIG and the agent's pid, so they die with
+the agent; the agent heartbeats the driver and, when the store stops
+answering, kills its workers and exits. SIGTERM (pod eviction, Slurm
+preemption) drains: the agent tells the driver it is leaving, forwards
+SIGTERM to its workers, waits up to ``stop_timeout`` for them, and exits.
+"""
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic import protocol
+from elastic.protocol import AgentKeys, ControlError, ControlStore
+from elastic.runner import launcher
+
+log = logging.getLogger("elasticrun")
+TICK_S = 0.1
+BEAT_S = 0.5
+HELLO_WAIT_S = 5.0          # a wrong secret is told after this long at most
+ACCEPT_WAIT_S = 30.0
+DRIVER_LOST_FAILURES = 6    # consecutive failed heartbeats (about 3 s) before giving up
+MAX_REPORT_LINES = 2000
+MAX_LINE_CHARS = 8192
+
+
+class AgentFailed(Exception):
+    """The agent cannot go on; str() is the one line the user sees."""
+
+
+@dataclass
+class AgentConfig:
+    driver_host: str
+    driver_port: int
+    secret_file: str
+    command: list
+    host_name: str
+    slots: int = 1
+    connect_timeout: float = 60.0
+    stop_timeout: float = 20.0
+    output_dir: str = None
+
+
+class _ForwardingSink(launcher.OutputSink):
+    """Prints and keeps worker output locally and queues each line for the driver."""
+
+    def __init__(self, output_dir, outbox):
+        super().__init__(output_dir)
+        self._outbox = outbox
+
+    def attach(self, worker_id, stream, name, on_line=None):
+        def forward(raw):
+            self._outbox.line(worker_id, name, raw)
+        return super().attach(worker_id, stream, name, on_line=forward)
+
+
+class _Outbox:
+    """Output lines and exits waiting to go to the driver, in order."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._out = []
+        self._exits = []
+
+    def line(self, worker_id, name, raw):
+        text = raw.decode("utf-8", "replace").rstrip("\n")[:MAX_LINE_CHARS]
+        with self._lock:
+            self._out.append([worker_id, name, text])
+
+    def exited(self, worker_id, code):
+        with self._lock:
+            self._exits.append([worker_id, code])
+
+    def take(self):
+        with self._lock:
+            out, self._out = self._out[:MAX_REPORT_LINES], self._out[MAX_REPORT_LINES:]
+            exits, self._exits = (self._exits, []) if not self._out else ([], self._exits)
+        return out, exits
+
+
+def read_secret_file(path):
+    """The job secret from ``path``; AgentFailed with one line when it is unusable."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise AgentFailed(f"--secret-file {path!r}: {exc.strerror}") from None
+    if not secret:
+        raise AgentFailed(f"--secret-file {path!r} is empty")
+    return secret
+
+
+class Agent:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.secret = read_secret_file(cfg.secret_file)
+        self.outbox = _Outbox()
+        self.sink = _ForwardingSink(cfg.output_dir, self.outbox)
+        self.workers = {}
+        self.index = None
+        self.beat_seq = 0
+        self.received = 0
+        self.sent = 0
+        self.draining = False
+        self.drain_deadline = None
+        self._signals = []
+
+    # -- joining --------------------------------------------------------------------
+    def join(self):
+        where = f"{self.cfg.driver_host}:{self.cfg.driver_port}"
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        while not port_open(self.cfg.driver_host, self.cfg.driver_port):
+            self._handle_signals(time.monotonic())
+            if time.monotonic() > deadline:
+                raise AgentFailed(f"cannot reach a driver at {where} within "
+                                  f"{self.cfg.connect_timeout:g} s")
+            time.sleep(0.5)
+        try:
+            self.store = protocol.connect(self.cfg.driver_host, self.cfg.driver_port,
+                                          self.cfg.connect_timeout)
+        except Exception:  # noqa: BLE001 - TCPStore raises several kinds on a dead address
+            raise AgentFailed(f"cannot reach a driver at {where} within "
+                              f"{self.cfg.connect_timeout:g} s") from None
+        self._check_hello(where)
+        self.control = ControlStore(self.store, self.secret)
+        token = self.token = secrets.token_hex(8)
+        index = 1
+        while self.control.raw.compare_set(AgentKeys.slot(index), "", token) != token.encode():
+            index += 1
+        self.index = index
+        self.control.put(AgentKeys.info(index), {"host": self.cfg.host_name,
+                                                 "slots": self.cfg.slots,
+                                                 "pid": os.getpid(), "token": token})
+        deadline = time.monotonic() + ACCEPT_WAIT_S
+        while True:
+            answer = self._verified(AgentKeys.accepted(index))
+            if answer is not None:
+                break
+            if time.monotonic() > deadline:
+                raise AgentFailed(f"the driver at {where} did not answer the registration "
+                                  f"within {ACCEPT_WAIT_S:g} s")
+            time.sleep(TICK_S)
+        if not answer.get("ok"):
+            raise AgentFailed(f"the driver at {where} refused this agent: "
+                              f"{answer.get('reason', 'no reason given')}")
+        self._beat()
+        log.info("joined the driver at %s as %s with %d slot%s", where, self.cfg.host_name,
+                 self.cfg.slots, "s" if self.cfg.slots != 1 else "")
+
+    def _check_hello(self, where):
+        deadline = time.monotonic() + HELLO_WAIT_S
+        while True:
+            hello = None
+            try:
+                if self.store.check([protocol.HELLO_KEY]):
+                    hello = json.loads(bytes(self.store.get(protocol.HELLO_KEY)))
+            except (ValueError, RuntimeError):
+                hello = None
+            if isinstance(hello, dict) and isinstance(hello.get("nonce"), str) and \
+                    hello.get("proof") == protocol.serve_proof(self.secret, hello["nonce"]):
+                return
+            if time.monotonic() > deadline:
+                if hello is None:
+                    raise AgentFailed(f"{where} is not a serving elasticrun driver "
+                                      "(no elasticrun --serve answered there)")
+                raise AgentFailed(f"refused by the driver at {where}: its job secret is not "
+                                  f"the one in --secret-file {self.cfg.secret_file}")
+            time.sleep(TICK_S)
+
+    # -- running --------------------------------------------------------------------
+    def serve(self):
+        """Until the driver says the job is over (0), or is lost, or we drained."""
+        last_beat = 0.0
+        while True:
+            now = time.monotonic()
+            self._handle_signals(now)
+            try:
+                if now - last_beat >= BEAT_S:
+                    self._beat()
+                    last_beat = now
+                finished = self._verified(AgentKeys.FINISHED)
+                if finished is not None:
+                    return self._finish(finished)
+                self._take_requests()
+                self._reap()
+                self._report()
+            except (RuntimeError, ControlError, OSError):
+                self._wait_for_driver()
+            if self.draining and (not self.workers or now > self.drain_deadline):
+                left = len(self.workers)
+                self._stop_all(signal.SIGKILL)
+                self._reap()
+                self._report()
+                log.info("drained: %s", "every worker left" if not left else
+                         f"{left} worker(s) killed after --stop-timeout")
+                return 0
+            time.sleep(TICK_S)
+
+    def _finish(self, finished):
+        self._reap()
+        self._stop_all(signal.SIGKILL)
+        self._reap()
+        self._report()
+        self.control.put(AgentKeys.bye(self.index), {"seq": self.beat_seq})
+        code = finished.get("code")
+        log.info("the job is over (the driver exits with %s); agent exits", code)
+        return 0 if code == 0 else 1
+
+    def _wait_for_driver(self):
+        """The store failed: probe the port with a plain socket (no retry noise from
+        the store client); reconnect if it answers, else give up after a few tries."""
+        for _ in range(DRIVER_LOST_FAILURES):
+            self._handle_signals(time.monotonic())
+            self._reap()
+            if port_open(self.cfg.driver_host, self.cfg.driver_port):
+                try:
+                    store = protocol.connect(self.cfg.driver_host, self.cfg.driver_port, 5)
+                    control = ControlStore(store, self.secret)
+                    claimed = control.raw.check([AgentKeys.slot(self.index)]) and \
+                        bytes(control.raw.get(AgentKeys.slot(self.index))) == self.token.encode()
+                except Exception:  # noqa: BLE001 - still gone
+                    claimed = None
+                if claimed:
+                    self.store, self.control = store, control
+                    return
+                if claimed is False:
+                    self._stop_all(signal.SIGKILL)
+                    raise AgentFailed("the driver restarted (it no longer knows this agent); "
+                                      "workers stopped, run elasticrun --join again")
+            time.sleep(BEAT_S)
+        self._stop_all(signal.SIGKILL)
+        raise AgentFailed(f"lost contact with the driver at {self.cfg.driver_host}:"
+                          f"{self.cfg.driver_port}; workers stopped")
+
+    def _beat(self):
+        self.beat_seq += 1
+        self.control.put(AgentKeys.beat(self.index), {"seq": self.beat_seq,
+                                                      "draining": self.draining})
+
+    def _take_requests(self):
+        while True:
+            key = AgentKeys.request(self.index, self.received + 1)
+            message = self._verified(key)
+            if message is None:
+                return
+            self.received += 1
+            self.control.raw.delete_key(key)
+            if message.get("op") == "spawn" and self.draining:
+                self.outbox.exited(str(message.get("worker_id")), 0)   # never started: removed
+            elif message.get("op") == "spawn":
+                self._spawn(str(message.get("worker_id")), message.get("env") or {})
+            elif message.get("op") == "kill":
+                worker = self.workers.get(str(message.get("worker_id")))
+                if worker is not None:
+                    worker.kill(int(message.get("signal", signal.SIGKILL)))
+
+    def _spawn(self, worker_id, job_env):
+        env = dict(os.environ)
+        env.pop(protocol.ENV_SECRET, None)
+        env.update({k: str(v) for k, v in job_env.items() if isinstance(k, str)})
+        env.update({protocol.ENV_ADDR: self.cfg.driver_host,
+                    protocol.ENV_SECRET_FILE: os.path.abspath(self.cfg.secret_file),
+                    "ELASTIC_DRIVER_PID": str(os.getpid())})
+        try:
+            self.workers[worker_id] = launcher.start_local(
+                worker_id, self.cfg.host_name, self.cfg.command, env, self.sink)
+        except OSError as exc:
+            log.warning("cannot start %r: %s", self.cfg.command[0], exc.strerror)
+            self.outbox.exited(worker_id, 127)
+
+    def _reap(self):
+        for worker_id, worker in list(self.workers.items()):
+            code = worker.poll()
+            if code is not None:
+                worker.join_output()
+                del self.workers[worker_id]
+                self.outbox.exited(worker_id, code)
+
+    def _report(self):
+        while True:
+            out, exits = self.outbox.take()
+            if not out and not exits:
+                return
+            self.sent += 1
+            self.control.put(AgentKeys.report(self.index, self.sent),
+                             {"out": out, "exits": exits})
+
+    def _stop_all(self, sig):
+        for worker in self.workers.values():
+            worker.kill(sig)
+        deadline = time.monotonic() + 5
+        while any(w.poll() is None for w in self.workers.values()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    # -- signals --------------------------------------------------------------------
+    def on_signal(self, signum, _frame):
+        self._signals.append(signum)
+
+    def _handle_signals(self, now):
+        while self._signals:
+            signum = self._signals.pop(0)
+            if self.draining or signum != signal.SIGTERM:
+                self._stop_all(signal.SIGKILL)
+                self._reap()
+                self._report()
+                raise AgentFailed(f"stopped by signal {signum}; workers killed")
+            log.info("SIGTERM: draining %d worker(s), at most %g s", len(self.workers),
+                     self.cfg.stop_timeout)
+            self.draining = True
+            self.drain_deadline = now + self.cfg.stop_timeout
+            self._beat()
+            for worker in self.workers.values():
+                worker.kill(signal.SIGTERM)
+
+    def _verified(self, key):
+        try:
+            value = self.control.get(key)
+        except (ControlError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
+
+def port_open(host, port, timeout=2.0):
+    """True when something accepts TCP connections at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def run_agent(cfg):
+    """Join and serve; returns the exit code. Errors print one line, never a traceback."""
+    try:
+        agent = Agent(cfg)
+        signal.signal(signal.SIGTERM, agent.on_signal)
+        signal.signal(signal.SIGINT, agent.on_signal)
+        agent.join()
+        return agent.serve()
+    except AgentFailed as exc:
+        sys.stderr.write(f"elasticrun: error: {exc}\n")
+        return 1

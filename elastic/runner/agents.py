@@ -1,0 +1,259 @@
+"""The serving driver's side of joining agents: a discovery source and a launcher.
+
+In ``elasticrun --serve`` nothing is launched from the driver. Agents
+(``elasticrun --join``) register their host and slots in the store; this hub
+turns the live ones into discovered hosts, so the driver's policy (min/max np,
+blacklist, cooldown, reset limit) applies to them unchanged. When the driver
+places a worker on an agent's host, the hub writes a signed spawn request for
+that agent and hands the driver a process handle whose exit code, output and
+kill travel through the store too.
+
+An agent whose heartbeat stops is lost: it leaves discovery and each of its
+workers reads as exited with ``AGENT_LOST``, which the driver treats as any
+failed worker (its host is blacklisted). An agent that is draining (SIGTERM)
+leaves discovery at once, so the driver re-forms the round without it.
+"""
+
+import logging
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from elastic import protocol
+from elastic.protocol import AgentKeys, ControlError, ControlStore
+from elastic.runner.discovery import Discovery
+
+log = logging.getLogger("elasticrun")
+POLL_S = 0.1
+HELLO_REFRESH_S = 2.0
+AGENT_LOST = 137           # what a lost agent's workers read as (128 + SIGKILL)
+_NOT_SENT = {protocol.ENV_SECRET, protocol.ENV_SECRET_FILE, protocol.ENV_ADDR,
+             "ELASTIC_DRIVER_PID"}
+
+
+@dataclass
+class _Agent:
+    index: int
+    host: str
+    slots: int
+    seen: float
+    seq: int = 0
+    draining: bool = False
+    lost: bool = False
+    sent: int = 0          # requests written
+    received: int = 0      # reports read
+    workers: dict = field(default_factory=dict)
+
+
+class AgentWorker:
+    """The driver's handle on a worker that an agent runs (same methods as a
+    launcher.WorkerProcess)."""
+
+    def __init__(self, hub, agent, worker_id):
+        self._hub = hub
+        self._agent = agent
+        self.worker_id = worker_id
+        self.host = agent.host
+        self.code = None
+        self.lost_after = None
+
+    def poll(self):
+        return self.code
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.code is None:
+            self._hub.request(self._agent, {"op": "kill", "worker_id": self.worker_id,
+                                            "signal": int(sig)})
+
+    def join_output(self, timeout=2.0):
+        """Output before the exit arrived in earlier (or the same) reports: nothing to wait for."""
+
+    def describe_exit(self, code):
+        if self.lost_after is not None:
+            return (f" (its agent on {self.host} was lost: no heartbeat for "
+                    f"{self.lost_after:.0f} s)")
+        return ""
+
+
+class AgentHub(Discovery):
+    """Discovery of, and launching through, the agents that joined this driver."""
+
+    def __init__(self, timeout_s=30.0, sink=None):
+        self.timeout_s = timeout_s
+        self.sink = sink
+        self._agents = {}          # index -> _Agent
+        self._pending = set()      # claimed indices whose registration has not arrived
+        self._scanned = 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = None
+        self.control = None
+
+    # -- wiring by the driver ---------------------------------------------------------
+    def attach(self, port, secret, sink):
+        """Start serving agents on the driver's store (the driver calls this once it listens)."""
+        store = protocol.connect("127.0.0.1", port, 30)
+        self._secret = secret
+        self._raw = store
+        self.control = ControlStore(store, secret)
+        self.sink = sink
+        self._publish_hello()
+        self._thread = threading.Thread(target=self._run, name="elastic-agents", daemon=True)
+        self._thread.start()
+
+    def close(self, code=0, wait_s=5.0):
+        """Tell every agent the job is over and give them a moment to see it
+        (they exit cleanly instead of reporting a lost driver)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self.control is None:
+            return
+        try:
+            with self._lock:
+                self.control.put(AgentKeys.FINISHED, {"code": int(code)})
+                live = [a.index for a in self._agents.values() if not a.lost]
+            deadline = time.monotonic() + wait_s
+            while live and time.monotonic() < deadline:
+                live = [i for i in live if not self.control.has(AgentKeys.bye(i))]
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - agents also notice the driver is gone
+            pass
+
+    # -- discovery ------------------------------------------------------------------
+    def discover(self):
+        with self._lock:
+            return {a.host: a.slots for a in self._agents.values()
+                    if not a.lost and not a.draining}
+
+    # -- launcher backend -----------------------------------------------------------------
+    def owns(self, host):
+        with self._lock:
+            return any(a.host == host for a in self._agents.values())
+
+    def start(self, worker_id, host, env):
+        """Ask ``host``'s agent to start a worker with the job part of ``env``."""
+        with self._lock:
+            agent = self._live_agent(host)
+            handle = AgentWorker(self, agent, worker_id)
+            if agent.lost:
+                handle.code, handle.lost_after = AGENT_LOST, self.timeout_s
+                return handle
+            agent.workers[worker_id] = handle
+            sent = {k: v for k, v in env.items() if k not in _NOT_SENT}
+            self.request(agent, {"op": "spawn", "worker_id": worker_id, "env": sent})
+            return handle
+
+    def request(self, agent, message):
+        with self._lock:
+            agent.sent += 1
+            try:
+                self.control.put(AgentKeys.request(agent.index, agent.sent), message)
+            except Exception as exc:  # noqa: BLE001 - our own store: only a shutdown fails
+                log.debug("cannot send a request to agent %s: %s", agent.host, exc)
+
+    def _live_agent(self, host):
+        matches = [a for a in self._agents.values() if a.host == host]
+        live = [a for a in matches if not a.lost]
+        return (live or matches)[-1]
+
+    # -- polling ----------------------------------------------------------------------
+    def _run(self):
+        last_hello = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                with self._lock:
+                    if now - last_hello > HELLO_REFRESH_S:
+                        self._publish_hello()
+                        last_hello = now
+                    self._scan(now)
+                    for agent in list(self._agents.values()):
+                        if not agent.lost:
+                            self._poll_agent(agent, now)
+            except Exception as exc:  # noqa: BLE001 - a store hiccup must not end polling
+                log.debug("agent polling: %s", exc)
+            self._stop.wait(POLL_S)
+
+    def _publish_hello(self):
+        """Re-published now and then, so one write by an outsider cannot turn agents away."""
+        nonce = secrets.token_hex(16)
+        proof = protocol.serve_proof(self._secret, nonce)
+        self._raw.set(protocol.HELLO_KEY, f'{{"nonce":"{nonce}","proof":"{proof}"}}')
+
+    def _scan(self, now):
+        raw = self.control.raw
+        while raw.check([AgentKeys.slot(self._scanned + 1)]):
+            self._scanned += 1
+            self._pending.add(self._scanned)
+        for index in sorted(self._pending):
+            info = self._verified(AgentKeys.info(index))
+            if info is None:
+                continue
+            self._pending.discard(index)
+            self._admit(index, info, now)
+
+    def _admit(self, index, info, now):
+        host, slots = info.get("host"), info.get("slots")
+        if not (isinstance(host, str) and host and isinstance(slots, int) and slots >= 1):
+            self.control.put(AgentKeys.accepted(index), {"ok": False,
+                                                         "reason": "malformed registration"})
+            return
+        taken = [a for a in self._agents.values() if a.host == host and not a.lost]
+        if taken:
+            reason = f"host name {host!r} is in use by another live agent; give --host-name"
+            self.control.put(AgentKeys.accepted(index), {"ok": False, "reason": reason})
+            log.warning("agent %d refused: %s", index, reason)
+            return
+        self._agents[index] = _Agent(index, host, slots, seen=now)
+        self.control.put(AgentKeys.accepted(index), {"ok": True})
+        log.info("agent joined: %s with %d slot%s", host, slots, "s" if slots != 1 else "")
+
+    def _poll_agent(self, agent, now):
+        beat = self._verified(AgentKeys.beat(agent.index))
+        if beat is not None and isinstance(beat.get("seq"), int) and beat["seq"] > agent.seq:
+            agent.seq, agent.seen = beat["seq"], now
+            if beat.get("draining") and not agent.draining:
+                agent.draining = True
+                log.info("agent on %s is draining (SIGTERM): its host leaves the job",
+                         agent.host)
+        self._read_reports(agent)
+        if now - agent.seen > self.timeout_s:
+            agent.lost = True
+            log.warning("agent on %s sent no heartbeat for %.0f s; its host is lost",
+                        agent.host, self.timeout_s)
+            for handle in agent.workers.values():
+                if handle.code is None:
+                    handle.code, handle.lost_after = AGENT_LOST, self.timeout_s
+
+    def _read_reports(self, agent):
+        while True:
+            key = AgentKeys.report(agent.index, agent.received + 1)
+            report = self._verified(key)
+            if report is None:
+                return
+            agent.received += 1
+            self.control.raw.delete_key(key)
+            by_stream = {}
+            for item in report.get("out", ()):
+                if isinstance(item, list) and len(item) == 3 and item[0] in agent.workers:
+                    wid, stream, line = item
+                    by_stream.setdefault((wid, "stderr" if stream == "stderr" else "stdout"),
+                                         []).append(str(line))
+            if self.sink is not None:
+                for (wid, stream), lines in by_stream.items():
+                    self.sink.write_lines(wid, stream, lines)
+            for item in report.get("exits", ()):
+                if isinstance(item, list) and len(item) == 2 and item[0] in agent.workers \
+                        and isinstance(item[1], int):
+                    agent.workers.pop(item[0]).code = item[1]
+
+    def _verified(self, key):
+        """A signed value, or None when absent or forged (an outsider's write is ignored)."""
+        try:
+            value = self.control.get(key)
+        except (ControlError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None

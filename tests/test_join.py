@@ -1,0 +1,162 @@
+"""Joining mode: `elasticrun --serve` and agents that `elasticrun --join` it.
+
+Real processes on loopback: one serving driver, several agents with their own
+--host-name, each running real workers of tests/workloads/train_job.py.
+"""
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from join_cluster import ELASTICRUN, JoinJob, wait_until
+from procs import job_workers
+
+from jobs import REPO
+
+WORKER_LINE = re.compile(r"^\[\d+\]<stdout>:worker \d+ finished as rank \d+ of \d+$", re.M)
+
+
+@pytest.fixture
+def join_job(tmp_path):
+    jobs = []
+
+    def make(args, env=None, **kw):
+        job = JoinJob(tmp_path, args, env=env, **kw)
+        jobs.append(job)
+        return job
+    yield make
+    for job in jobs:
+        job.cleanup()
+
+
+def _workers_on(job, host):
+    return {pid for pid, env in job_workers(job.out).items()
+            if env.get("ELASTIC_HOSTNAME") == host}
+
+
+@pytest.mark.slow
+def test_agents_join_grow_the_job_and_a_sigtermed_agent_drains(join_job):
+    job = join_job(["-np", "2", "--min-np", "1", "--worker-timeout", "10"],
+                   env={"JOB_HOLD": "3,6"}).start()
+    job.join("node-a")
+    job.join("node-b")
+    job.wait_step(3, size=2)
+    job.join("node-c")                                  # a pod added by `kubectl scale`
+    job.wait_for(lambda: "round 2: 3 workers" in job.output(), "the job to grow to 3")
+    job.release(3)
+    job.wait_step(6, size=3)
+    job.signal_agent("node-b", signal.SIGTERM)          # pod eviction
+    job.wait_for(lambda: re.search(r"round \d+: 2 workers", job.output().split(
+        "draining")[-1]) is not None, "the job to shrink to 2 without node-b")
+    job.release(6)
+    code = job.finish()
+    job.assert_ok(code, final_size=2)
+    assert job.wait_agent("node-b") == 0, job.agent_output("node-b")
+    out = job.output()
+    assert "agent on node-b is draining" in out
+    # Output reaches the driver's console with the usual prefix and stays on the agent too.
+    assert len(WORKER_LINE.findall(out)) == 2, out[-3000:]
+    for name in ("node-a", "node-c"):
+        assert job.wait_agent(name) == 0, job.agent_output(name)
+        assert WORKER_LINE.search(job.agent_output(name)), job.agent_output(name)
+    hosts = {r["host"] for r in job.steps()}
+    assert hosts == {"node-a", "node-b", "node-c"}, hosts
+    assert not job_workers(job.out)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_agent_is_a_lost_host_and_its_worker_dies(join_job):
+    job = join_job(["-np", "3", "--min-np", "2", "--worker-timeout", "5"],
+                   env={"JOB_HOLD": "3"}).start()
+    for name in ("node-a", "node-b", "node-c"):
+        job.join(name)
+    job.wait_step(3, size=3)
+    victims = _workers_on(job, "node-c")
+    assert victims
+    job.signal_agent("node-c", signal.SIGKILL)
+    wait_until(lambda: not _workers_on(job, "node-c"), "node-c's worker to die with its agent",
+               timeout=30, output=job.output)
+    job.wait_for(lambda: "agent on node-c sent no heartbeat" in job.output(),
+                 "the driver to lose node-c")
+    job.release(3)
+    code = job.finish()
+    job.assert_ok(code, final_size=2)
+    assert "blacklisting host node-c" in job.output()
+
+
+@pytest.mark.slow
+def test_wrong_secret_is_refused_and_a_killed_driver_leaves_no_orphan(join_job, tmp_path):
+    job = join_job(["-np", "2", "--worker-timeout", "10"], env={"JOB_HOLD": "3"}).start()
+    job.join("node-a")
+    job.join("node-b")
+    job.wait_step(3, size=2)
+
+    wrong = tmp_path / "wrong-secret"
+    wrong.write_text("not-the-job-secret\n")
+
+    def agent(secret_file, name):
+        return subprocess.Popen(
+            ELASTICRUN + ["--join", f"127.0.0.1:{job.port}", "--secret-file", str(secret_file),
+                          "--host-name", name, sys.executable, "-c", "pass"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=job.env)
+    intruder, twin = agent(wrong, "intruder"), agent(job.secret_file, "node-a")
+    out, err = intruder.communicate(timeout=120)
+    assert intruder.returncode != 0
+    assert err.strip().count("\n") == 0, err
+    assert "refused by the driver" in err and "secret" in err
+    assert "Traceback" not in err + out
+    _, err = twin.communicate(timeout=120)
+    assert twin.returncode != 0 and "in use by another live agent" in err, err
+    assert "intruder" not in job.output()
+
+    assert len(job_workers(job.out)) == 2
+    job.proc.send_signal(signal.SIGKILL)
+    job.proc.wait()
+    for name in ("node-a", "node-b"):
+        assert job.wait_agent(name, timeout=60) != 0
+        own = [line for line in job.agent_output(name).splitlines()
+               if line.startswith("elasticrun:")]
+        assert "lost contact with the driver" in own[-1], own
+    wait_until(lambda: not job_workers(job.out), "every worker to be gone", timeout=30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--serve", "-np", "1"], "need --secret-file"),
+    (["--serve", "--secret-file", "{secret}", "-np", "1", "-H", "localhost:1"],
+     "takes its hosts from the agents"),
+    (["--serve", "--secret-file", "{secret}", "-np", "1", "python3"],
+     "training command goes to each"),
+    (["--serve", "--secret-file", "{secret}", "-np", "1", "--port", "70000"],
+     "not a port number"),
+    (["--join", "127.0.0.1:1", "--secret-file", "{secret}"], "needs the training command"),
+    (["--join", "nowhere", "--secret-file", "{secret}", "python3"], "is not HOST:PORT"),
+    (["--join", "127.0.0.1:1", "--secret-file", "/nonexistent", "python3"],
+     "No such file"),
+    (["--join", "127.0.0.1:1", "--secret-file", "{secret}", "--slots", "0", "python3"],
+     "--slots must be at least 1"),
+    (["--join", "127.0.0.1:1", "--secret-file", "{secret}", "--host-name", "a,b", "python3"],
+     "--host-name"),
+    (["-np", "1", "--secret-file", "{secret}", "python3"], "go with --serve or --join"),
+])
+def test_bad_serve_and_join_flags_give_one_line(tmp_path, capsys, argv, message):
+    from elastic.runner import cli
+    secret = tmp_path / "secret"
+    secret.write_text("s\n")
+    assert cli.main([a.replace("{secret}", str(secret)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_no_driver_at_the_address_is_one_line(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s\n")
+    from harness import free_port
+    proc = subprocess.run(
+        ELASTICRUN + ["--join", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
+                      "--join-timeout", "1", "python3"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == proc.stderr.strip().splitlines()[0]
+    assert "cannot reach a driver" in proc.stderr
