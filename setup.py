@@ -7,6 +7,7 @@ setup(
     packages=find_packages(include=["elastic", "elastic.*"]),
     python_requires=">=3.9",
     install_requires=["torch>=2.3", "cloudpickle", "filelock"],
-    extras_require={"report": ["matplotlib"], "test": ["pytest"]},
+    extras_require={"report": ["matplotlib"], "test": ["pytest", "pyyaml"],
+                    "ray": ["ray>=2.9"]},
     entry_points={"console_scripts": ["elasticrun = elastic.runner.cli:main"]},
 )

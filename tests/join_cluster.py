@@ -2,7 +2,7 @@
 
 Each agent plays one node or pod (its own --host-name). The commands built
 here are the ones the Kubernetes and Slurm examples run (tests/test_cluster_examples.py
-checks that their flags agree with SERVE_FLAGS and JOIN_FLAGS).
+checks that their flags are those of serve_args and join_args).
 """
 
 import os
@@ -10,15 +10,23 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from harness import free_port
 from jobs import REPO, WORKLOAD, Job
 
 ELASTICRUN = [sys.executable, "-m", "elastic.runner"]
-# The flags every cluster example passes, besides -np/--min-np/--max-np.
-SERVE_FLAGS = ("--serve", "--port", "--secret-file", "--stop-timeout")
-JOIN_FLAGS = ("--join", "--secret-file", "--slots", "--host-name", "--stop-timeout")
+
+
+def serve_args(port, secret_file):
+    """The driver's flags, as the tests and the cluster examples pass them."""
+    return ["--serve", "--port", str(port), "--secret-file", str(secret_file),
+            "--stop-timeout", "20"]
+
+
+def join_args(address, secret_file, slots, name):
+    """An agent's flags, as the tests and the cluster examples pass them."""
+    return ["--join", address, "--secret-file", str(secret_file), "--slots", str(slots),
+            "--host-name", name, "--stop-timeout", "20"]
 
 
 class JoinJob(Job):
@@ -32,24 +40,25 @@ class JoinJob(Job):
         self.secret_file.chmod(0o600)
         self.agents = {}
 
+    def serve_command(self):
+        return ELASTICRUN + serve_args(self.port, self.secret_file) + self.args
+
+    def join_command(self, name, slots=1):
+        return ELASTICRUN + join_args(f"127.0.0.1:{self.port}", self.secret_file, slots, name) \
+            + [sys.executable, str(WORKLOAD)]
+
     def start(self):
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            ELASTICRUN + ["--serve", "--port", str(self.port), "--secret-file",
-                          str(self.secret_file), "--stop-timeout", "20"] + self.args,
-            env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-            start_new_session=True)
+            self.serve_command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=REPO, start_new_session=True)
         return self
 
-    def join(self, name, slots=1, secret_file=None, extra=()):
+    def join(self, name, slots=1):
         log = open(self.dir / f"agent.{name}.log", "wb")
         proc = subprocess.Popen(
-            ELASTICRUN + ["--join", f"127.0.0.1:{self.port}", "--secret-file",
-                          str(secret_file or self.secret_file), "--slots", str(slots),
-                          "--host-name", name, "--stop-timeout", "20", *extra,
-                          sys.executable, str(WORKLOAD)],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-            start_new_session=True)
+            self.join_command(name, slots), env=self.env, stdout=log,
+            stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         self.agents[name] = (proc, log)
         return proc
 
@@ -84,6 +93,3 @@ def wait_until(predicate, what, timeout=120, output=lambda: ""):
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}\n{output()[-4000:]}")
-
-
-__all__ = ["JoinJob", "SERVE_FLAGS", "JOIN_FLAGS", "wait_until", "Path"]

@@ -149,6 +149,7 @@ def test_bad_serve_and_join_flags_give_one_line(tmp_path, capsys, argv, message)
     assert err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.slow
 def test_no_driver_at_the_address_is_one_line(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s\n")

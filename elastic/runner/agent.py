@@ -32,7 +32,7 @@ from elastic.runner import launcher
 log = logging.getLogger("elasticrun")
 TICK_S = 0.1
 BEAT_S = 0.5
-HELLO_WAIT_S = 5.0          # a wrong secret is told after this long at most
+HELLO_WAIT_S = 3.0          # a wrong secret is told after this long at most
 ACCEPT_WAIT_S = 30.0
 DRIVER_LOST_FAILURES = 6    # consecutive failed heartbeats (about 3 s) before giving up
 MAX_REPORT_LINES = 2000
