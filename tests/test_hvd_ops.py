@@ -46,3 +46,28 @@ def test_op_behaviour(suite, check):
         result = data["results"].get(check)
         assert result is not None, f"rank {rank} never reached {check}:\n{suite['log'][-3000:]}"
         assert result["ok"], f"rank {rank}: {result['error']}\n{result['trace']}"
+
+
+def test_process_sets_across_a_membership_change(tmp_path):
+    """Ranks-defined sets raise ProcessSetStaleError after a change; re-added and
+    rule-defined sets work with the new members."""
+    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1"],
+              script=REPO / "tests" / "workloads" / "hvd_process_sets_elastic.py")
+    assert job.run() == 0, job.output()[-4000:]
+    records = [json.loads(line) for p in job.out.glob("ps.*.jsonl")
+               for line in p.read_text().splitlines()]
+    before = [r for r in records if r["size"] == 3]
+    after = [r for r in records if r["size"] == 2]
+    assert before and after, records
+    for r in before:
+        assert r["ruled_ranks"] == [0, 2]
+        assert r["readded"] == 1 + 2 + 3, r
+        if r["rank"] in (0, 1):
+            assert r["stale"] == 3, r
+        if r["rank"] in (0, 2):
+            assert r["ruled"] == 1 + 3, r
+    for r in after:
+        assert r["ruled_ranks"] == [0, 1]
+        assert r["stale"] == "ProcessSetStaleError", r
+        assert r["readded"] == 3 and r["ruled"] == 3, r
+    assert {r["rank"] for r in after} == {0, 1}

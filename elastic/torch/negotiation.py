@@ -125,7 +125,7 @@ def negotiate(binding, rec, what, vary_dim0=False):
     out = Outcome(exchange(binding, rec))
     if out.all_joined:
         return out
-    out.error = _check(out, binding, what, vary_dim0)
+    out.error = check_records(out, binding, what, vary_dim0)
     if out.error is None and out.joined and not out.joinable:
         out.error = CollectiveMismatchError(
             f"{what}: ranks {[binding.global_rank(r) for r in out.joined]} have called join(); "
@@ -133,7 +133,7 @@ def negotiate(binding, rec, what, vary_dim0=False):
     return out
 
 
-def _check(out, binding, what, vary_dim0):
+def check_records(out, binding, what, vary_dim0):
     recs = {binding.global_rank(r): out.records[r] for r in out.active}
 
     def differs(field, label, show=lambda v: v):

@@ -97,16 +97,18 @@ def add_process_set(process_set):
     ranks = ps.ranks
     if max(ranks) >= runtime.size():
         raise ValueError(f"process set ranks {ranks} exceed the job size {runtime.size()}")
+    w = runtime.ensure_joined()
+    current = w.round_id if w is not None else 0
     with _lock:
         for other in _registered.values():
-            if other is not global_process_set and other._rule is None and ps._rule is None \
-                    and other._fixed == ranks:
+            # A set of an older round is stale, so its ranks may be registered again.
+            if other._rule is None and ps._rule is None and other._fixed == ranks \
+                    and other._round == current:
                 raise ValueError(f"a process set with ranks {ranks} is already registered")
         ps.process_set_id = _next_id[0]
         _next_id[0] += 1
         _registered[ps.process_set_id] = ps
-    w = runtime.ensure_joined()
-    ps._round = w.round_id if w is not None else 0
+    ps._round = current
     return ps
 
 

@@ -1,0 +1,56 @@
+"""Process sets across a membership change: 3 workers, rank 2 crashes, 2 carry on.
+
+``stale`` is defined by ranks and never re-added: after the change it must
+raise ProcessSetStaleError. ``readded`` (every rank) is removed and added
+again in a reset callback. ``ruled`` is ProcessSet(lambda size: [0, size - 1]): ranks [0, 2]
+in round 1 and [0, 1] after the change, rebuilt by its rule.
+"""
+
+import json
+import os
+
+import torch
+
+import elastic.torch as hvd
+
+OUT = os.environ["JOB_OUT"]
+hvd.init()
+sets = {"stale": hvd.add_process_set([0, 1]),
+        "readded": hvd.add_process_set(list(range(hvd.size()))),
+        "ruled": hvd.add_process_set(hvd.ProcessSet(lambda size: [0, size - 1]))}
+
+
+def on_reset():
+    hvd.remove_process_set(sets["readded"])
+    sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
+
+
+state = hvd.elastic.ObjectState(batch=0)
+state.register_reset_callbacks([on_reset])
+
+
+def try_sum(ps):
+    if not ps.included():
+        return None
+    try:
+        return int(hvd.allreduce(torch.tensor([hvd.rank() + 1]), op=hvd.Sum, process_set=ps))
+    except hvd.ProcessSetStaleError as exc:
+        return type(exc).__name__
+
+
+@hvd.elastic.run
+def train(state):
+    while state.batch < 5:
+        if state.batch == 2 and hvd.size() == 3 and hvd.rank() == 2:
+            os._exit(1)
+        record = {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch,
+                  "ruled_ranks": sets["ruled"].ranks}
+        for key, ps in sets.items():
+            record[key] = try_sum(ps)
+        with open(f"{OUT}/ps.{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        state.batch += 1
+        state.commit()
+
+
+train(state)
