@@ -33,6 +33,20 @@ def test_every_horovod_name_is_there():
     assert set(HOROVOD_NAMES) <= set(hvd.__all__)
 
 
+def test_init_takes_horovods_arguments():
+    hvd.init(process_sets=[])
+    hvd.init(process_sets="dynamic")
+    with pytest.raises(ValueError, match="MPI"):
+        hvd.init(comm=object())
+    ps = hvd.ProcessSet([0])
+    hvd.init(process_sets=[ps])
+    assert ps.process_set_id is not None and ps.included()
+    assert hvd.allreduce(torch.ones(1), process_set=ps).tolist() == [1.0]
+    assert hvd.remove_process_set(ps)
+    with pytest.warns(UserWarning, match="not provided"):
+        hvd.start_timeline("/tmp/x.json")
+
+
 def test_queries():
     assert hvd.gloo_built() and hvd.gloo_enabled()
     assert not (hvd.mpi_built() or hvd.mpi_enabled() or hvd.ccl_built() or hvd.ddl_built()

@@ -38,6 +38,7 @@ from elastic.torch.process_sets import (
     ProcessSetStaleError,
     add_process_set,
     global_process_set,
+    init,
     remove_process_set,
 )
 from elastic.torch.queries import (
@@ -52,6 +53,8 @@ from elastic.torch.queries import (
     mpi_threads_supported,
     nccl_built,
     rocm_built,
+    start_timeline,
+    stop_timeline,
 )
 from elastic.torch.reduce_ops import Adasum
 from elastic.torch.sync_batch_norm import SyncBatchNorm
@@ -74,14 +77,14 @@ __all__ = [
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
     "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "sparse_allreduce_async", "synchronize",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]
 
 HorovodInternalError = WorkersDepartedError
 Average, Sum, Min, Max, Product = _c.Average, _c.Sum, _c.Min, _c.Max, _c.Product
 ReduceOp = _c.ReduceOp
 
-init, shutdown, is_initialized = _rt.init, _rt.shutdown, _rt.is_initialized
+shutdown, is_initialized = _rt.shutdown, _rt.is_initialized
 rank, size, local_rank, local_size = _rt.rank, _rt.size, _rt.local_rank, _rt.local_size
 cross_rank, cross_size = _rt.cross_rank, _rt.cross_size
 broadcast_parameters, broadcast_optimizer_state = _c.broadcast_parameters, _c.broadcast_optimizer_state

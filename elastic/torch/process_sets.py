@@ -21,6 +21,7 @@ import torch.distributed as dist
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.protocol import Keys
 from elastic.worker import runtime
+from elastic.worker.groups import TrackedGroup
 
 
 class ProcessSetStaleError(ElasticError):
@@ -75,7 +76,6 @@ global_process_set = _GlobalProcessSet()
 _registered = {0: global_process_set}
 _next_id = [1]
 _generations = {}      # (round, ranks) -> times built, so a re-added set gets a fresh prefix
-_abandoned = []        # old groups are never destroyed: their work may be stuck on a dead peer
 _lock = threading.Lock()
 
 
@@ -118,11 +118,22 @@ def remove_process_set(process_set):
         return False
     with _lock:
         found = _registered.pop(process_set.process_set_id, None) is not None
-    if process_set._groups is not None:
-        _abandoned.append(process_set._groups)
-    process_set._groups = None
+    _retire(runtime.worker(), process_set)
     process_set.process_set_id = None
     return found
+
+
+def _retire(w, ps):
+    """Hand a set's groups to the worker's retired groups: freed once their work drains."""
+    if ps._groups is not None and w is not None:
+        w.retired_groups.retire(*ps._groups)
+    ps._groups = None
+
+
+def _retire_past_rounds(w):
+    for ps in list(_registered.values()):
+        if ps._groups is not None and ps._round != w.round_id:
+            _retire(w, ps)
 
 
 class Binding:
@@ -152,10 +163,13 @@ def bind(process_set=None):
     if w is None:
         return None
     if ps is global_process_set:
+        if len(_registered) > 1:
+            _retire_past_rounds(w)
         return Binding(w, list(range(w.membership.size)), w.cpu_group, w.device_group)
     if ps.process_set_id is None:
         raise ValueError(f"{ps!r} is not registered: call add_process_set() first")
     if ps._rule is None and ps._round != w.round_id:
+        _retire(w, ps)
         raise ProcessSetStaleError(
             f"process set {ps.process_set_id} (ranks {ps._fixed}) was defined in round "
             f"{ps._round}; the job's membership has changed since (now round {w.round_id}). "
@@ -166,8 +180,7 @@ def bind(process_set=None):
         raise ValueError(f"rank {w.membership.rank} is not in {ps!r}; only its members may "
                          "run its collectives")
     if ps._groups is None or ps._round != w.round_id or ps._ranks != ranks:
-        if ps._groups is not None:
-            _abandoned.append(ps._groups)
+        _retire(w, ps)
         ps._groups = _build(w, ranks)
         ps._round, ps._ranks = w.round_id, ranks
     return Binding(w, ranks, *ps._groups)
@@ -203,4 +216,23 @@ def _build(w, ranks):
             raise WorkersDepartedError(f"process set {ranks} did not form in round {w.round_id}")
     if "error" in result:
         raise WorkersDepartedError(f"process set {ranks}: {result['error']}")
-    return result["cpu"], result.get("device", result["cpu"])
+    cpu = TrackedGroup(result["cpu"])
+    return cpu, TrackedGroup(result["device"]) if "device" in result else cpu
+
+
+def init(comm=None, process_sets=None):
+    """Horovod's ``init(comm=None, process_sets=None)``.
+
+    There is no MPI here, so ``comm`` must be None. ``process_sets`` (a list of
+    ProcessSet, or "dynamic", which needs nothing here) are registered as by
+    add_process_set. Sets need the job's size, so with them init() joins the
+    first round at once, as ``rank()`` would.
+    """
+    if comm is not None:
+        raise ValueError("init(comm=...) needs MPI, which elastic.torch does not use; "
+                         "run under elasticrun instead")
+    runtime.init()
+    if process_sets is None or process_sets == "dynamic":
+        return
+    for ps in process_sets:
+        add_process_set(ps)

@@ -61,3 +61,23 @@ def cuda_built():
 def is_homogeneous():
     """True when every host runs the same number of workers."""
     return runtime.local_size() * runtime.cross_size() == runtime.size()
+
+
+_warned = set()
+
+
+def _warn_once(what):
+    if what not in _warned:
+        _warned.add(what)
+        import warnings
+        warnings.warn(f"elastic.torch: {what} is not provided and does nothing; elasticrun's "
+                      "event log and timeline report replace Horovod's timeline", stacklevel=3)
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Accepted so that Horovod scripts run; warns once and records nothing."""
+    _warn_once("start_timeline")
+
+
+def stop_timeline():
+    _warn_once("stop_timeline")
