@@ -90,10 +90,10 @@ def main():
     elastic.init()
     assert elastic.size() == 1 and elastic.worker.runtime.worker() is None
     model, opt, step = build()
-    plain = elastic.TorchState(model, opt, checkpoint=False, n=0)
+    plain = elastic.TorchState(model, opt, elastic_checkpoint=False, n=0)
     plain.sync()
     ck = elastic.Checkpointer(os.path.join(root, "full"), every_commits=1, keep=2)
-    state = elastic.TorchState(model, opt, checkpoint=ck, n=0)
+    state = elastic.TorchState(model, opt, elastic_checkpoint=ck, n=0)
     state.sync()                                # takes the directory lock (rank 0 of size 1)
 
     handoff, swap = [], []
@@ -183,7 +183,7 @@ def main():
     # -- bytes: half the parameters frozen --------------------------------------------------
     h_model, h_opt, h_step = build(freeze_half=True)
     ck2 = elastic.Checkpointer(os.path.join(root, "half"), every_commits=1, keep=2)
-    half = elastic.TorchState(h_model, h_opt, checkpoint=ck2, n=0)
+    half = elastic.TorchState(h_model, h_opt, elastic_checkpoint=ck2, n=0)
     half.sync()
     half_written = []
     for _ in range(4):

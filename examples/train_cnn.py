@@ -52,7 +52,7 @@ def main(argv=None):
     checkpoint = elastic.Checkpointer(args.checkpoint_dir, every_commits=20) \
         if args.checkpoint_dir else None
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0,
-                               checkpoint=checkpoint)
+                               elastic_checkpoint=checkpoint)
     state.register_reset_callbacks([scaler])
 
     @elastic.run

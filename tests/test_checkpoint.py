@@ -218,7 +218,7 @@ def _step(model, optimizer, sampler, i, width=16):
 def test_a_new_state_resumes_from_the_newest_checkpoint(tmp_path):
     model, optimizer, sampler = _build()
     ck = Checkpointer(tmp_path / "ck", every_commits=3, keep=2)
-    state = TorchState(model, optimizer, checkpoint=ck, sampler=sampler, epoch=0, batch=0)
+    state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, epoch=0, batch=0)
     state.sync()
     for i in range(8):
         _step(model, optimizer, sampler, i)
@@ -232,7 +232,7 @@ def test_a_new_state_resumes_from_the_newest_checkpoint(tmp_path):
 
     model2, optimizer2, sampler2 = _build(seed=99)
     ck2 = Checkpointer(tmp_path / "ck")
-    state2 = TorchState(model2, optimizer2, checkpoint=ck2, sampler=sampler2, epoch=0, batch=0)
+    state2 = TorchState(model2, optimizer2, elastic_checkpoint=ck2, sampler=sampler2, epoch=0, batch=0)
     state2.sync()
     assert state2.commit_version == 8 and ck2.resumed_from["version"] == 8
     assert state2.batch == 8
@@ -244,7 +244,7 @@ def test_a_commit_never_waits_for_the_writer_nor_overwrites_what_it_reads(tmp_pa
     model, optimizer, sampler = _build(width=256)      # 256 KB weights: blobs of their own
     ck = Checkpointer(tmp_path, every_commits=1)
     ck._hold_s = 1.0                      # the writer reads the big buffers only after 1 s
-    state = TorchState(model, optimizer, checkpoint=ck, sampler=sampler, step=0)
+    state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, step=0)
     state.sync()
     with torch.no_grad():
         model[0].weight.fill_(1.0)
@@ -275,7 +275,7 @@ def test_half_the_parameters_frozen_writes_about_half_the_bytes(tmp_path):
     for frozen in (False, True):
         model, optimizer, sampler = _build(freeze_first=frozen, width=256)
         ck = Checkpointer(tmp_path / str(frozen), every_commits=1)
-        state = TorchState(model, optimizer, checkpoint=ck, sampler=sampler, step=0)
+        state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, step=0)
         state.sync()
         per_checkpoint = []
         for i in range(4):
@@ -299,7 +299,7 @@ def test_a_directory_held_by_another_job_stops_with_one_line(tmp_path):
     model, optimizer, _ = _build()
     ck = Checkpointer(tmp_path)
     ck.lock_wait_s = 0.3
-    state = TorchState(model, optimizer, checkpoint=ck)
+    state = TorchState(model, optimizer, elastic_checkpoint=ck)
     began = time.monotonic()
     with pytest.raises(SystemExit) as info:
         state.sync()
@@ -310,7 +310,7 @@ def test_a_directory_held_by_another_job_stops_with_one_line(tmp_path):
     assert ck.is_writer
     # A second Checkpointer on the same directory in this process is a bug: said at once.
     with pytest.raises(elastic.checkpoint.CheckpointError, match="of this process"):
-        TorchState(model, optimizer, checkpoint=Checkpointer(tmp_path)).sync()
+        TorchState(model, optimizer, elastic_checkpoint=Checkpointer(tmp_path)).sync()
     ck.close()
 
 
@@ -327,10 +327,16 @@ def test_arguments_and_the_environment_default(tmp_path, monkeypatch):
     assert resolve(None) is None and TorchState()._checkpoint is None
     monkeypatch.setenv("ELASTIC_CHECKPOINT_DIR", str(tmp_path / "env"))
     assert TorchState()._checkpoint.directory == str(tmp_path / "env")
-    assert TorchState(checkpoint=False)._checkpoint is None
-    assert TorchState(checkpoint=ck)._checkpoint is ck
+    assert TorchState(elastic_checkpoint=False)._checkpoint is None
+    assert TorchState(elastic_checkpoint=ck)._checkpoint is ck
     with pytest.raises(TypeError):
-        TorchState(checkpoint=3)
+        TorchState(elastic_checkpoint=3)
+    # checkpoint= is the user's own name (a Horovod script may use it) ...
+    mine = TorchState(checkpoint=False)
+    assert mine.checkpoint is False and mine._checkpoint.directory == str(tmp_path / "env")
+    # ... except that a Checkpointer there is still taken as the option, with a warning.
+    with pytest.warns(DeprecationWarning, match="elastic_checkpoint"):
+        assert TorchState(checkpoint=ck)._checkpoint is ck
     assert elastic.Checkpointer is Checkpointer
 
 

@@ -1,6 +1,6 @@
 """Durable checkpoints: written in the background from the committed snapshot.
 
-``TorchState(..., checkpoint=Checkpointer(dir, every_commits=N, every_seconds=S, keep=K))``.
+``TorchState(..., elastic_checkpoint=Checkpointer(dir, every_commits=N, every_seconds=S, keep=K))``.
 Only rank 0 of the current round writes, holding a ``filelock`` lock on the
 directory for as long as it is the writer; a second job that points at the same
 directory stops with one line. The writer thread reads the committed snapshot's

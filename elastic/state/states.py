@@ -8,10 +8,12 @@ by a dummy step, so weight decay cannot nudge the weights.
 """
 
 import copy
+import warnings
 
 import torch
 
 from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.state import handlers
 from elastic.state.snapshot import Snapshot, host_clone, join, pack, split
 from elastic.worker import collectives, runtime
 
@@ -187,11 +189,6 @@ class ObjectState(State):
             setattr(self, name, copy.deepcopy(value))
 
 
-def _has_state_dict(obj):
-    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not isinstance(
-        obj, (torch.nn.Module, torch.optim.Optimizer))
-
-
 def _cloned(tree):
     _skeleton, tensors = split(tree)
     return join(_skeleton, [host_clone(t) for t in tensors])
@@ -200,56 +197,125 @@ def _cloned(tree):
 class TorchState(ObjectState):
     """A model, its optimizer, samplers and any picklable objects, as attributes.
 
-    Objects with state_dict/load_state_dict (ElasticSampler, lr schedulers) are
-    captured through them; everything else by value. ``checkpoint``: an
-    elastic.Checkpointer for durable checkpoints; by default one in
-    $ELASTIC_CHECKPOINT_DIR when that is set (``elasticrun --checkpoint-dir``);
-    False for none.
+    Every nn.Module, optimizer, ElasticSampler and object with
+    state_dict/load_state_dict (lr schedulers), under any keyword, is committed
+    through its handler and restored *in place* (elastic.state.handlers;
+    ``register_handler`` adds your own types); everything else by value.
+    ``elastic_checkpoint``: an elastic.Checkpointer for durable checkpoints; by
+    default one in $ELASTIC_CHECKPOINT_DIR when that is set (``elasticrun
+    --checkpoint-dir``); False for none. ``checkpoint=`` is an ordinary attribute,
+    except that an elastic.Checkpointer given there is still taken as the option.
     """
 
-    def __init__(self, model=None, optimizer=None, checkpoint=None, **kwargs):
+    _ROOTS = ("model", "optimizer")   # captured at the top of the tree (checkpoint format)
+
+    def __init__(self, model=None, optimizer=None, elastic_checkpoint=None, **kwargs):
+        from elastic.checkpoint.checkpointer import Checkpointer, resolve
+        if isinstance(kwargs.get("checkpoint"), Checkpointer):   # the old spelling
+            if elastic_checkpoint is not None:
+                raise TypeError("give the Checkpointer as elastic_checkpoint= only")
+            warnings.warn("TorchState(checkpoint=Checkpointer(...)) is now "
+                          "elastic_checkpoint=...", DeprecationWarning, stacklevel=2)
+            elastic_checkpoint = kwargs.pop("checkpoint")
+        self._horovod = {}
         super().__init__(**kwargs)
         self.model = model
         self.optimizer = optimizer
-        from elastic.checkpoint.checkpointer import resolve
-        self._checkpoint = resolve(checkpoint)
+        self._checkpoint = resolve(elastic_checkpoint)
+        for name in self._names():
+            handler = handlers.handler_for(getattr(self, name))
+            if handlers.is_horovod_style(handler):
+                self._horovod[name] = handler(getattr(self, name))
+
+    def __setattr__(self, name, value):
+        horovod = self.__dict__.get("_horovod")
+        if horovod and name in horovod:
+            horovod[name].set_value(value)
+        super().__setattr__(name, value)
+
+    def _names(self):
+        return list(self._ROOTS) + self._object_names
+
+    def _handled(self):
+        """(name, object, Handler) for every attribute that has a (native) handler."""
+        for name in self._names():
+            if name in self._horovod:
+                continue
+            obj = getattr(self, name)
+            handler = handlers.handler_for(obj) if obj is not None else None
+            if isinstance(handler, handlers.Handler):
+                yield name, obj, handler
+
+    # -- commit / restore ---------------------------------------------------------------
+    def save(self):
+        super().save()
+        for handler in self._horovod.values():
+            handler.save()
 
     def restore(self):
-        """Load the model straight from the snapshot (load_state_dict copies);
-        the rest (the optimizer keeps the tensors it is given) gets copies."""
-        if self._snapshot.empty:
-            return
-        tree = self._snapshot.materialize(shared=True)
-        for key in tree:
-            if key != "model":
-                tree[key] = _cloned(tree[key])
-        self.apply(tree)
+        """Load straight from the snapshot where the handler copies out (modules), and
+        from copies elsewhere (an optimizer keeps the tensors it is given)."""
+        if not self._snapshot.empty:
+            tree = self._snapshot.materialize(shared=True)
+            for key in self._ROOTS:
+                if key in tree and not self._shares(key):
+                    tree[key] = _cloned(tree[key])
+            objects = tree["objects"]
+            for name, (kind, value) in objects.items():
+                if not (kind == "state_dict" and self._shares(name)):
+                    objects[name] = (kind, _cloned(value))
+            self.apply(tree)
+        for handler in self._horovod.values():
+            handler.restore()
+
+    def _shares(self, name):
+        handler = handlers.handler_for(getattr(self, name, None))
+        return isinstance(handler, handlers.Handler) and handler.shares
 
     def capture(self):
         tree = {"objects": {}}
-        if self.model is not None:
-            tree["model"] = self.model.state_dict()
-        if self.optimizer is not None:
-            tree["optimizer"] = self.optimizer.state_dict()
+        handled = {name: (obj, h) for name, obj, h in self._handled()}
+        for key in self._ROOTS:
+            if key in handled:
+                obj, handler = handled[key]
+                tree[key] = handler.capture(obj)
         for name in self._object_names:
-            obj = getattr(self, name)
-            tree["objects"][name] = ("state_dict", obj.state_dict()) if _has_state_dict(obj) \
-                else ("value", obj)
+            if name in self._horovod:
+                continue
+            if name in handled:
+                obj, handler = handled[name]
+                tree["objects"][name] = ("state_dict", handler.capture(obj))
+            else:
+                tree["objects"][name] = ("value", getattr(self, name))
         return tree
 
     def apply(self, tree):
-        if self.model is not None and "model" in tree:
-            self.model.load_state_dict(tree["model"])
-        if self.optimizer is not None and "optimizer" in tree:
-            self.optimizer.load_state_dict(tree["optimizer"])
+        for key in self._ROOTS:
+            obj = getattr(self, key)
+            handler = handlers.handler_for(obj) if obj is not None else None
+            if key in tree and isinstance(handler, handlers.Handler):
+                handler.apply(obj, tree[key])
         for name, (kind, value) in tree["objects"].items():
-            if kind == "state_dict":
-                getattr(self, name).load_state_dict(value)
+            if name in self._horovod:
+                continue
+            live = getattr(self, name, None)
+            handler = handlers.handler_for(live) if live is not None else None
+            if not isinstance(handler, handlers.Handler):
+                setattr(self, name, copy.deepcopy(value))
+            elif kind == "state_dict":
+                handler.apply(live, value)
+            elif hasattr(value, "state_dict"):   # an older checkpoint kept it by value
+                handler.apply(live, copy.deepcopy(value.state_dict()))
             else:
                 setattr(self, name, copy.deepcopy(value))
 
     def reset(self):
-        for name in self._object_names:
-            obj = getattr(self, name)
-            if hasattr(obj, "reset") and _has_state_dict(obj):
-                obj.reset()
+        for _name, obj, handler in self._handled():
+            handler.reset(obj)
+
+    def sync(self):
+        super().sync()
+        for handler in self._horovod.values():
+            handler.sync()
+        for _name, obj, handler in self._handled():
+            handler.after_sync(obj)

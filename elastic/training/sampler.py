@@ -22,6 +22,7 @@ See :mod:`elastic.global_batch` for the training loop.
 
 import importlib.util
 import math
+import random
 
 import torch
 from torch.utils.data import IterableDataset, Sampler
@@ -81,10 +82,56 @@ class ElasticSampler(Sampler):
         self._local = 0         # samples this rank consumed since then (global batches, in
                                 # global-batch mode)
         self._rank, self._size = 0, 1
-        self._perm_cache = None  # (epoch, seed, shuffle, perm); derived, never saved
+        self._perm_cache = None  # (epoch, seed, shuffle, order, head, perm); derived, never saved
+        self._order = "torch"    # "horovod": the permutation of a state dict saved by Horovod
+        self._head = None        # (epoch, indices): processed first in that epoch (Horovod's
+                                 # older format saved a set of processed indices)
+        self.indices = []        # what the last __iter__ handed out, as in Horovod
         self._indices = []
         self._batches = 0        # global-batch mode: global batches left as of the last reset
         self.reset()
+
+    # -- the split, under Horovod's names too ------------------------------------
+
+    @property
+    def rank(self):
+        """The rank this sampler hands samples to (as of the last reset)."""
+        return self._rank
+
+    @property
+    def size(self):
+        """The world size it splits the epoch over (as of the last reset)."""
+        return self._size
+
+    @property
+    def length(self):
+        """Samples in the dataset: an epoch's permutation is this long."""
+        return self._len
+
+    @property
+    def num_replicas(self):
+        """Horovod's name for ``size``."""
+        return self._size
+
+    @property
+    def num_samples(self):
+        """This rank's share of the epoch as of the last reset: ``len(sampler)``."""
+        return len(self._indices)
+
+    @property
+    def total_size(self):
+        """``num_samples`` times ``num_replicas``: the remaining samples, padded to split evenly."""
+        return self.num_samples * self._size
+
+    @property
+    def remaining_indices(self):
+        """The dataset indices no rank had consumed at the last reset, in epoch order."""
+        return self._perm()[self.processed:].tolist()
+
+    @property
+    def processed_indices(self):
+        """The dataset indices consumed so far this epoch (a set, as in Horovod)."""
+        return set(self._perm()[: self.processed_num].tolist())
 
     # -- progress bookkeeping -------------------------------------------------
 
@@ -168,20 +215,40 @@ class ElasticSampler(Sampler):
         if epoch != self.epoch:
             self.epoch = epoch
             self.processed = 0
+            self._head = None
         else:
             self.processed = self.processed_num
         self._local = 0
         self._recompute()
 
     def state_dict(self):
-        """Return the full sampler state: four scalars, with no index lists."""
-        return {"epoch": self.epoch, "processed": self.processed_num,
-                "seed": self.seed, "shuffle": self.shuffle}
+        """Return the full sampler state: four scalars, with no index lists (plus the
+        order and processed head of a state loaded from Horovod, while they matter)."""
+        sd = {"epoch": self.epoch, "processed": self.processed_num,
+              "seed": self.seed, "shuffle": self.shuffle}
+        if self._order != "torch":
+            sd["order"] = self._order
+        if self._head is not None and self._head[0] == self.epoch:
+            sd["head"] = list(self._head[1])
+        return sd
 
     def load_state_dict(self, state_dict):
         """Restore the progress in ``state_dict`` and split what is left among the
         current ranks. Seed and shuffle are restored as well, because the saved
-        progress only makes sense with the same permutation."""
+        progress only makes sense with the same permutation.
+
+        A state dict saved by Horovod's ElasticSampler (``epoch`` and
+        ``processed_num``, or the older ``processed_indices``) loads too: the
+        sampler then uses Horovod's permutation of the epoch, so exactly the
+        samples Horovod had not yet trained come next.
+        """
+        if "processed" not in state_dict:
+            state_dict = self._from_horovod(state_dict)
+        self._order = state_dict.get("order", "torch")
+        if self._order not in ("torch", "horovod"):
+            raise ValueError(f"unknown sampler order {self._order!r}")
+        head = state_dict.get("head")
+        self._head = (int(state_dict["epoch"]), [int(i) for i in head]) if head else None
         processed = int(state_dict["processed"])
         if not 0 <= processed <= self._len:
             raise ValueError(
@@ -194,19 +261,46 @@ class ElasticSampler(Sampler):
         self._local = 0
         self._recompute()
 
+    def _from_horovod(self, state_dict):
+        """Our form of a Horovod state dict: {epoch, processed_num} or {epoch, processed_indices}."""
+        if "epoch" not in state_dict or not ("processed_num" in state_dict
+                                             or "processed_indices" in state_dict):
+            raise ValueError("not a sampler state dict: it needs epoch and processed "
+                             "(or Horovod's processed_num / processed_indices)")
+        out = {"epoch": int(state_dict["epoch"]), "order": "horovod"}
+        if "processed_num" in state_dict:
+            out["processed"] = int(state_dict["processed_num"])
+            return out
+        done = sorted({int(i) for i in state_dict["processed_indices"]})
+        if any(not 0 <= i < self._len for i in done):
+            raise ValueError("processed_indices holds indices outside the dataset; "
+                             "was the state saved for a different dataset?")
+        out["processed"], out["head"] = len(done), done
+        return out
+
     # -- index computation -----------------------------------------------------
 
     def _perm(self):
-        key = (self.epoch, self.seed, self.shuffle)
-        if self._perm_cache is None or self._perm_cache[:3] != key:
-            if self.shuffle:
+        head = self._head[1] if self._head is not None and self._head[0] == self.epoch else None
+        key = (self.epoch, self.seed, self.shuffle, self._order, id(head))
+        if self._perm_cache is None or self._perm_cache[:5] != key:
+            if not self.shuffle:
+                perm = torch.arange(self._len)
+            elif self._order == "horovod":   # Horovod shuffles with Python's random
+                order = list(range(self._len))
+                random.Random(self.seed + self.epoch).shuffle(order)
+                perm = torch.tensor(order, dtype=torch.int64)
+            else:
                 gen = torch.Generator()
                 gen.manual_seed(self.seed + self.epoch)
                 perm = torch.randperm(self._len, generator=gen)
-            else:
-                perm = torch.arange(self._len)
+            if head:   # the processed set first, then the rest in permutation order
+                first = torch.tensor(head, dtype=torch.int64)
+                rest = torch.ones(self._len, dtype=torch.bool)
+                rest[first] = False
+                perm = torch.cat([first, perm[rest[perm]]])
             self._perm_cache = key + (perm,)
-        return self._perm_cache[3]
+        return self._perm_cache[5]
 
     def _recompute(self):
         if self.global_batch_size:
@@ -260,7 +354,8 @@ class ElasticSampler(Sampler):
 
     def __iter__(self):
         # Iterate over a snapshot: record_batch during the loop must not shift it.
-        return iter(list(self._indices))
+        self.indices = list(self._indices)
+        return iter(self.indices)
 
     def __len__(self):
         return len(self._indices)

@@ -24,7 +24,7 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    state = elastic.TorchState(model, optimizer, checkpoint=False, step=0)
+    state = elastic.TorchState(model, optimizer, elastic_checkpoint=False, step=0)
     data = torch.randn(8, 16)
 
     @elastic.run
