@@ -145,6 +145,15 @@ def test_corrupt_newest_is_detected_and_the_previous_one_used(tmp_path, damage):
     warnings = []
     version, tree, path = store.load_newest(str(tmp_path), warn=warnings.append, quarantine=True)
     assert version == 1 and path == store.manifest_path(str(tmp_path), 1)
+    if damage == "delete blob":
+        # Missing is an OSError, not a checksum mismatch: skipped, nothing renamed.
+        assert len(warnings) == 1 and "skipped for this load, nothing renamed" in warnings[0]
+        assert [v for v, _ in store.list_checkpoints(str(tmp_path))] == [1, 2]
+        assert not [n for n in os.listdir(tmp_path / "blobs") if n.endswith(".corrupt")]
+        _write(tmp_path, 2, tensors)
+        assert store.load_newest(str(tmp_path), warn=warnings.append)[0] == 2
+        assert len(warnings) == 1
+        return
     assert len(warnings) == 1 and "ckpt-000000000002.json is corrupt" in warnings[0], warnings
     # Quarantined: a later load does not warn again, and a later write of the same
     # content does not trust the bad blob.

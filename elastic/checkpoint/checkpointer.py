@@ -25,7 +25,13 @@ import torch
 
 from elastic.checkpoint import format as store
 from elastic.checkpoint.format import CheckpointError, CorruptCheckpoint, list_checkpoints  # noqa: F401
-from elastic.checkpoint.lock import CheckpointDirectoryInUse, DirectoryLock, job_id
+from elastic.checkpoint.lock import (
+    SAME_JOB_WAIT_S,
+    CheckpointDirectoryInUse,
+    DirectoryLock,
+    DirectoryUsedTwice,
+    job_id,
+)
 from elastic.checkpoint.writer import write_checkpoint
 from elastic.worker import runtime
 
@@ -54,9 +60,11 @@ class Checkpointer:
     """
 
     def __init__(self, directory, every_commits=None, every_seconds=None, keep=3):
-        """``directory`` is created by the writer. Environment: ELASTIC_CHECKPOINT_LOCK_WAIT
+        """``directory`` is created by the writer (0700). Environment: ELASTIC_CHECKPOINT_LOCK_WAIT
         (seconds to wait for a directory locked by another job, default 10: its killed
-        workers may still be exiting); ELASTIC_CHECKPOINT_WRITE_TIMEOUT (default 600)."""
+        workers may still be exiting); ELASTIC_CHECKPOINT_WRITE_TIMEOUT (default 600);
+        ELASTIC_CHECKPOINT_RETRY (seconds between tries to take the lock after it
+        failed, default 5)."""
         if not directory:
             raise ValueError("Checkpointer needs a directory")
         if every_commits is not None and (int(every_commits) != every_commits or every_commits < 1):
@@ -73,6 +81,7 @@ class Checkpointer:
         self.keep = int(keep)
         self.lock_wait_s = _env_float("ELASTIC_CHECKPOINT_LOCK_WAIT", 10.0)
         self.write_timeout_s = _env_float("ELASTIC_CHECKPOINT_WRITE_TIMEOUT", 600.0)
+        self.retry_s = _env_float("ELASTIC_CHECKPOINT_RETRY", 5.0)
         # Test hooks: slow down phase 1 (while the buffers are read) / phase 2 (durability).
         self._hold_s = _env_float("ELASTIC_CHECKPOINT_TEST_HOLD", 0.0)
         self._delay_s = _env_float("ELASTIC_CHECKPOINT_TEST_DELAY", 0.0)
@@ -83,6 +92,11 @@ class Checkpointer:
         self._world_size = 1
         self._lock = DirectoryLock(self.directory, job_id(id(self)))
         self._resume_tried = False
+        self._wants_lock = False     # rank 0 of the current round: should be the writer
+        self._retry_at = 0.0         # no lock attempt before this (monotonic)
+        self._busy_since = None      # the lock has been held by someone else since
+        self._trouble = None         # what failed, while checkpoints are off (one warning)
+        self._trouble_mu = threading.Lock()
         self._last_version = -1      # newest version on disk, as far as the writer knows
         self._since_commits = 0
         self._last_time = time.monotonic()
@@ -103,23 +117,41 @@ class Checkpointer:
 
     # -- hooks called by State ------------------------------------------------------------
     def before_sync(self, state):
-        """Rank 0: take the lock, and in a fresh job load the newest good checkpoint."""
+        """Rank 0: take the lock, and in a fresh job load the newest good checkpoint.
+
+        Only another job holding the directory stops a fresh job (one line). Any
+        other failure (no space, no permission, no flock) gives one warning:
+        training goes on without checkpoints and the lock is tried again later.
+        """
         if self._state is not None and self._state is not state:
             raise ValueError("a Checkpointer serves a single state")
         self._state = state
         w = runtime.worker()
         if w is not None and (w.membership is None or w.membership.rank != 0):
+            self._wants_lock = False
             self._release()
             return
+        self._wants_lock = True
         self._world_size = w.membership.size if w is not None else 1
+        if self._atexit is None:
+            self._atexit = self.close
+            atexit.register(self._atexit)
+        if state.commit_version >= 0 or self._resume_tried:
+            self._try_acquire()          # a new rank 0 taking over: never block the sync
+            return
+        self._resume_tried = True
         try:
-            self._acquire()
+            self._acquire(self.lock_wait_s)
         except CheckpointDirectoryInUse as exc:
-            # One line and a non-zero exit, not a traceback (sys.exit keeps the exit code).
-            sys.exit(f"elastic: {exc}")
-        if state.commit_version < 0 and not self._resume_tried:
-            self._resume_tried = True
-            self._resume(state)
+            if not exc.same_job:
+                # One line and a non-zero exit, not a traceback (sys.exit keeps the exit code).
+                sys.exit(f"elastic: {exc}")
+            self._failed("taking the directory lock", exc)
+        except DirectoryUsedTwice:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad directory must not end the worker
+            self._failed("taking the directory lock", exc)
+        self._resume(state)
 
     def before_save(self, state):
         """Never wait for the writer: give it the buffers it still reads, take spares."""
@@ -155,7 +187,10 @@ class Checkpointer:
     def after_commit(self, state):
         """Hand the commit just saved to the writer thread when a checkpoint is due."""
         if not self._lock.held:
-            return
+            if self._wants_lock:
+                self._try_acquire()
+            if not self._lock.held:
+                return
         self._since_commits += 1
         due = ((self.every_commits is not None and self._since_commits >= self.every_commits)
                or (self.every_seconds is not None
@@ -180,6 +215,9 @@ class Checkpointer:
         if self._atexit is not None:
             atexit.unregister(self._atexit)
             self._atexit = None
+        if final and self._wants_lock and not self._lock.held:
+            self._retry_at = 0.0
+            self._try_acquire()
         if self._lock.held and self.wait(self.write_timeout_s):
             state = self._state
             if final and state is not None and not state._snapshot.empty \
@@ -193,12 +231,17 @@ class Checkpointer:
 
     # -- internals ------------------------------------------------------------------------
     def _resume(self, state):
-        found = store.load_newest(self.directory, warn=_warn, quarantine=True)
-        on_disk = list_checkpoints(self.directory)      # the corrupt ones are gone now
-        self._last_version = on_disk[-1][0] if on_disk else -1
+        """Load the newest good checkpoint; without the lock, read-only (nothing quarantined)."""
+        try:
+            found = store.load_newest(self.directory, warn=_warn, quarantine=self._lock.held)
+        except Exception as exc:  # noqa: BLE001 - e.g. the directory cannot be listed
+            _warn(f"cannot look for checkpoints in {self.directory} ({exc}); "
+                  "starting without one")
+            return
         if found is None:
             return
         version, tree, path = found
+        self._last_version = max(self._last_version, version)
         state.apply(tree)
         state._version = version
         state.save()
@@ -255,9 +298,9 @@ class Checkpointer:
                 info={"world_size": size}, hold_s=self._hold_s, delay_s=self._delay_s)
             store.prune(self.directory, self.keep)
         except Exception as exc:  # noqa: BLE001 - training goes on; the next one retries
-            self.stats["failures"] += 1
-            _warn(f"checkpoint of commit {version} to {self.directory} failed: {exc}")
+            self._failed(f"writing the checkpoint of commit {version}", exc)
             return
+        self._recovered()
         self._last_version = max(self._last_version, version)
         self.stats["checkpoints"] += 1
         self.stats["bytes_written"] += result["bytes_written"]
@@ -271,17 +314,58 @@ class Checkpointer:
             else:
                 self._unread.pop(index, None)
 
-    def _acquire(self):
+    def _acquire(self, wait_s):
+        """Take the lock (``wait_s`` for another job, as long for this job's earlier
+        writer), then clear what dead writers left. Raises whatever failed."""
         if self._lock.held:
             return
-        self._lock.acquire(self.lock_wait_s)
-        store.remove_temps(self.directory)
-        on_disk = list_checkpoints(self.directory)
-        self._last_version = on_disk[-1][0] if on_disk else -1
+        self._lock.acquire(wait_s, same_job_wait_s=SAME_JOB_WAIT_S if wait_s else 0)
+        try:
+            store.remove_temps(self.directory)
+            on_disk = list_checkpoints(self.directory)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._last_version = max([self._last_version] + [v for v, _ in on_disk[-1:]])
         self._since_commits, self._last_time = 0, time.monotonic()
-        if self._atexit is None:
-            self._atexit = self.close
-            atexit.register(self._atexit)
+        self._busy_since = None
+
+    def _try_acquire(self):
+        """One attempt that never waits; the next comes at a later commit."""
+        now = time.monotonic()
+        if self._lock.held or now < self._retry_at:
+            return
+        try:
+            self._acquire(0)
+        except CheckpointDirectoryInUse as exc:
+            # Usually the previous rank 0 finishing its write or exiting: quiet, unless it lasts.
+            self._busy_since = self._busy_since or now
+            self._retry_at = now + min(self.retry_s, 1.0)
+            if now - self._busy_since >= max(self.lock_wait_s, 1.0):
+                self._failed("taking the directory lock", exc)
+            return
+        except DirectoryUsedTwice:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad directory must not end the worker
+            self._retry_at = now + self.retry_s
+            self._failed("taking the directory lock", exc)
+            return
+        self._recovered()
+
+    def _failed(self, what, exc):
+        """Count a failure; warn about the first of a run of them only."""
+        self.stats["failures"] += 1
+        with self._trouble_mu:
+            first, self._trouble = self._trouble is None, what
+        if first:
+            _warn(f"{what} in {self.directory} failed ({exc}); training goes on without "
+                  "checkpoints and tries again later")
+
+    def _recovered(self):
+        with self._trouble_mu:
+            was, self._trouble = self._trouble, None
+        if was is not None:
+            runtime._log(f"checkpoints to {self.directory} work again")
 
     def _release(self):
         if self._lock.held:

@@ -1,6 +1,6 @@
 """On-disk format of durable checkpoints: content-addressed blobs plus one manifest each.
 
-    DIR/LOCK, DIR/LOCK.owner        held by the job's single writer (checkpoint_lock.py)
+    DIR/LOCK, DIR/LOCK.owner        held by the job's single writer (lock.py)
     DIR/ckpt-000000000120.json      the manifest of commit 120; it exists only once complete
     DIR/blobs/<sha256>              raw bytes: one large tensor, a pack of small tensors,
                                     or the pickled skeleton (everything that is not a tensor)
@@ -12,12 +12,15 @@ where the hash covers the body's canonical JSON; the body lists every tensor as
 (blob, offset, nbytes, dtype, shape) in the order of the state's snapshot.
 Tensor bytes are the tensor's memory as is (``sys.byteorder`` is recorded).
 
-Writes are atomic (checkpoint_write.py): blobs and manifest go to temp files,
+Writes are atomic (writer.py): blobs and manifest go to temp files,
 are fsynced, renamed and their directory fsynced; the manifest is renamed last.
 This module reads, verifies and prunes. Loading verifies the
 manifest hash and every blob's sha256 and size, and falls back to the previous
-manifest when the newest is torn or corrupt. Pruning keeps the newest K
-manifests and deletes only blobs that none of them names.
+manifest when the newest is torn or corrupt. Only content that was read and
+does not verify is corrupt, and only that is quarantined (renamed ``*.corrupt``,
+never deleted); a read that fails (an OSError) is retried, then that checkpoint
+is skipped for this load (storage.py). Pruning keeps the newest K manifests and
+deletes only blobs that none of them names.
 """
 
 import hashlib
@@ -29,7 +32,8 @@ import sys
 
 import torch
 
-from elastic.exceptions import ElasticError
+from elastic.checkpoint import storage
+from elastic.checkpoint.errors import CheckpointError, CorruptCheckpoint, Unreadable  # noqa: F401
 from elastic.state.snapshot import join
 
 FORMAT = "elastic-checkpoint/1"
@@ -38,18 +42,6 @@ SMALL_BYTES = 64 * 1024      # tensors below this are packed into one blob per c
 ALIGN = 64
 _MANIFEST = re.compile(r"^ckpt-(\d{12})\.json$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class CheckpointError(ElasticError):
-    """A checkpoint could not be written or read."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A manifest or a blob it names is missing, torn, or fails its checksum."""
-
-    def __init__(self, message, bad_blobs=()):
-        super().__init__(message)
-        self.bad_blobs = list(bad_blobs)
 
 
 def manifest_path(directory, version):
@@ -62,10 +54,7 @@ def blob_path(directory, name):
 
 def list_checkpoints(directory):
     """[(version, manifest path)] of the visible checkpoints, oldest first."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
+    names = storage.listdir(directory)
     found = [(int(m.group(1)), os.path.join(directory, n))
              for n in names for m in [_MANIFEST.match(n)] if m]
     return sorted(found)
@@ -83,15 +72,16 @@ def encode_manifest(body):
 
 # -- reading ----------------------------------------------------------------------------------
 def read_manifest(path):
-    """The verified body of a manifest, or CorruptCheckpoint."""
+    """The verified body of a manifest; CorruptCheckpoint when what was read does not
+    verify, Unreadable when it could not be read (after retries)."""
+    raw = storage.read_bytes(path)
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(bytes(raw))
         body = doc["body"]
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         ok = _sha(canonical.encode()) == doc["sha256"] and body["format"] == FORMAT
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpoint(f"unreadable manifest ({exc.__class__.__name__})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpoint(f"torn or invalid manifest ({exc.__class__.__name__})") from None
     if not ok:
         raise CorruptCheckpoint("manifest checksum mismatch")
     if body.get("byteorder") != sys.byteorder:
@@ -100,19 +90,24 @@ def read_manifest(path):
 
 
 def _read_blob(directory, name, size):
-    try:
-        with open(blob_path(directory, name), "rb") as f:
-            data = bytearray(f.read())
-    except OSError:
-        raise CorruptCheckpoint(f"blob {name[:12]}… missing", [name]) from None
+    data = storage.read_bytes(blob_path(directory, name))
     if len(data) != size or _sha(data) != name:
+        storage.forget_blob(directory, name)
         raise CorruptCheckpoint(f"blob {name[:12]}… fails its checksum", [name])
+    storage.remember_blob(directory, name, size)     # verified: a writer may reuse it
     return data
 
 
-def read_checkpoint(directory, body):
-    """Read and verify every blob of a manifest body; return the state tree."""
+def read_checkpoint(directory, body, bad_blobs=()):
+    """Read and verify every blob of a manifest body; return the state tree.
+
+    A blob in ``bad_blobs`` (found corrupt earlier in the same load) makes the
+    checkpoint corrupt without reading it again.
+    """
     sizes = body["blobs"]
+    known_bad = sorted(set(sizes) & set(bad_blobs))
+    if known_bad:
+        raise CorruptCheckpoint(f"names blob {known_bad[0][:12]}…, which fails its checksum")
     skeleton = pickle.loads(_read_blob(directory, body["skeleton"], sizes[body["skeleton"]]))
     tensors = [None] * len(body["tensors"])
     by_blob = {}
@@ -138,25 +133,38 @@ def read_checkpoint(directory, body):
 def load_newest(directory, warn=None, quarantine=False):
     """(version, tree, path) of the newest checkpoint that verifies, or None.
 
-    A corrupt newer one is reported through ``warn``; with ``quarantine`` (only
-    the lock holder may) its manifest and bad blobs are renamed to ``*.corrupt``
-    so that neither a later load nor a later write can trust them.
+    Each newer one that fails is reported through ``warn``. A corrupt one (its
+    content does not verify) is quarantined with ``quarantine`` (only the lock
+    holder may): its manifest and bad blobs are renamed to ``*.corrupt``, never
+    deleted, so that neither a later load nor a later write trusts them. One
+    that cannot be read (an OSError, after retries) is only skipped: nothing is
+    renamed, and a later load tries it again.
     """
+    bad = set()
     for version, path in reversed(list_checkpoints(directory)):
         try:
-            tree = read_checkpoint(directory, read_manifest(path))
+            tree = read_checkpoint(directory, read_manifest(path), bad)
             return version, tree, path
         except CorruptCheckpoint as exc:
+            bad.update(exc.bad_blobs)
             if warn is not None:
-                warn(f"checkpoint {path} is corrupt ({exc}); trying the previous one")
+                warn(f"checkpoint {path} is corrupt ({exc}); "
+                     + ("quarantined as *.corrupt; " if quarantine else "")
+                     + "trying the previous one")
             if quarantine:
                 for name in exc.bad_blobs:
+                    storage.forget_blob(directory, name)
                     _rename_quietly(blob_path(directory, name))
                 _rename_quietly(path)
+        except CheckpointError as exc:      # Unreadable, or written on another machine
+            if warn is not None:
+                warn(f"checkpoint {path} cannot be used now ({exc}); skipped for this load, "
+                     "nothing renamed; trying the previous one")
     return None
 
 
 def _rename_quietly(path):
+    """Quarantine ``path`` as ``path.corrupt`` (kept for an operator to look at)."""
     try:
         os.replace(path, path + ".corrupt")
     except OSError:
@@ -183,7 +191,7 @@ def prune(directory, keep):
     """Keep the newest ``keep`` manifests; delete blobs that none of them names.
 
     Returns the number of blobs deleted. If a kept manifest cannot be read, no
-    blob is deleted: its references are unknown.
+    blob is deleted: its references are unknown. Quarantined files stay.
     """
     checkpoints = list_checkpoints(directory)
     kept = checkpoints[-keep:] if keep > 0 else []
@@ -201,8 +209,10 @@ def prune(directory, keep):
     deleted = 0
     folder = os.path.join(directory, BLOBS)
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        base = name[:-len(".corrupt")] if name.endswith(".corrupt") else name
-        if not name.endswith(".tmp") and _HEX64.match(base) and name not in referenced:
+        # Only plain blob names: temp files and quarantined ``*.corrupt`` files are never
+        # pruned (an operator cleans those up, see the README).
+        if _HEX64.match(name) and name not in referenced:
+            storage.forget_blob(directory, name)
             os.unlink(os.path.join(folder, name))
             deleted += 1
     return deleted

@@ -14,15 +14,32 @@ import socket
 import time
 
 from elastic import protocol as control
-from elastic.checkpoint.format import CheckpointError
+from elastic.checkpoint import storage
+from elastic.checkpoint.errors import CheckpointError
 
 SAME_JOB_WAIT_S = 600.0
 
 
 class CheckpointDirectoryInUse(CheckpointError):
-    def __init__(self, directory):
-        super().__init__(f"checkpoint directory {directory} is in use by another job")
+    def __init__(self, directory, same_job=False):
+        super().__init__(f"checkpoint directory {directory} is in use by "
+                         + ("an earlier writer of this job" if same_job else "another job"))
         self.directory = directory
+        self.same_job = same_job
+
+
+class DirectoryUsedTwice(CheckpointError):
+    """Two Checkpointers of one process on one directory: a bug in the script."""
+
+
+def _file_lock(path, mode):
+    """A flock-based FileLock, never a soft (marker-file) one: a soft lock outlives a
+    killed holder. Without flock support, acquiring raises OSError."""
+    from filelock import FileLock
+    try:
+        return FileLock(path, mode=mode, fallback_to_soft=False)
+    except TypeError:       # an older filelock: flock only anyway
+        return FileLock(path, mode=mode)
 
 
 class DirectoryLock:
@@ -35,12 +52,15 @@ class DirectoryLock:
     def held(self):
         return self._lock is not None
 
-    def acquire(self, other_job_wait_s):
+    def acquire(self, other_job_wait_s, same_job_wait_s=SAME_JOB_WAIT_S):
+        """Take the lock, waiting as long as its holder's job allows; raises
+        CheckpointDirectoryInUse when it stays busy, OSError when the directory
+        cannot hold a lock (no flock, no space, no permission)."""
         if self._lock is not None:
             return
-        from filelock import FileLock, Timeout
-        os.makedirs(self.directory, exist_ok=True)
-        lock = FileLock(os.path.join(self.directory, "LOCK"))
+        from filelock import Timeout
+        storage.make_dir(self.directory)
+        lock = _file_lock(os.path.join(self.directory, "LOCK"), storage.file_mode(self.directory))
         began = time.monotonic()
         while True:
             try:
@@ -49,22 +69,39 @@ class DirectoryLock:
             except Timeout:
                 owner = self._owner()
                 if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
-                    raise CheckpointError(f"checkpoint directory {self.directory} is already "
-                                          "used by another Checkpointer of this process") from None
+                    raise DirectoryUsedTwice(f"checkpoint directory {self.directory} is already "
+                                             "used by another Checkpointer of this process") from None
                 same = owner.get("job") == self.job_id
-                if time.monotonic() - began >= (SAME_JOB_WAIT_S if same else other_job_wait_s):
-                    raise CheckpointDirectoryInUse(self.directory) from None
+                if time.monotonic() - began >= (same_job_wait_s if same else other_job_wait_s):
+                    raise CheckpointDirectoryInUse(self.directory, same_job=same) from None
                 time.sleep(0.1)
+        try:
+            self._write_owner()
+        except BaseException:
+            lock.release()
+            raise
         self._lock = lock
+
+    def _write_owner(self):
         owner = os.path.join(self.directory, "LOCK.owner")
-        with open(owner + ".tmp", "w") as f:
-            json.dump({"job": self.job_id, "host": socket.gethostname(), "pid": os.getpid()}, f)
+        data = json.dumps({"job": self.job_id, "host": socket.gethostname(),
+                           "pid": os.getpid()}).encode()
+        fd = storage.create_file(owner + ".tmp", storage.file_mode(self.directory))
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         os.replace(owner + ".tmp", owner)
 
     def release(self):
         if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+            lock, self._lock = self._lock, None
+            try:
+                lock.release()
+            except OSError:
+                pass            # the descriptor closes anyway, and with it the flock
 
     def _owner(self):
         try:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from elastic.checkpoint import storage
 from elastic.checkpoint.format import (
     ALIGN,
     BLOBS,
@@ -40,16 +41,19 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
     that slow phase 1 / phase 2.
     """
     started = time.perf_counter()
-    os.makedirs(os.path.join(directory, BLOBS), exist_ok=True)
+    storage.make_dir(directory)
+    storage.make_dir(os.path.join(directory, BLOBS), like=directory)
+    mode = storage.file_mode(directory)
 
     def done(i):
         if released is not None and (i is None or i >= 0):
             released(i)
 
     pending = []            # (temp path, final path) of every file written
+    new_blobs = []          # names of the blobs this checkpoint writes
     sizes = {}
     written = [0]
-    io = _IOThread(done)
+    io = _IOThread(done, mode)
 
     def put(name, data, index=-1):
         if name not in sizes:
@@ -57,6 +61,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
             if not _has_blob(directory, name, sizes[name]):
                 final = blob_path(directory, name)
                 pending.append((f"{final}.{os.getpid()}.tmp", final))
+                new_blobs.append(name)
                 written[0] += sizes[name]
                 io.submit(pending[-1][0], data, index)
                 return
@@ -102,12 +107,14 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
             os.replace(temp, final)
         if pending:
             _fsync_path(os.path.join(directory, BLOBS))
+        for name in new_blobs:          # hashed from the bytes just written: known good
+            storage.remember_blob(directory, name, sizes[name])
         body = dict(info or {}, format=FORMAT, version=int(version), created=time.time(),
                     byteorder=sys.byteorder, skeleton=skeleton_name, tensors=entries,
                     blobs=sizes, bytes_written=written[0])
         path = manifest_path(directory, version)
         pending.append((f"{path}.{os.getpid()}.tmp", path))
-        _write_file(pending[-1][0], encode_manifest(body), done=None)
+        _write_file(pending[-1][0], encode_manifest(body), done=None, mode=mode)
         if delay_s:
             time.sleep(delay_s)
         os.replace(pending[-1][0], path)
@@ -128,8 +135,9 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
 class _IOThread:
     """Writes temp files in order on one thread (inline where no thread can start)."""
 
-    def __init__(self, done):
+    def __init__(self, done, mode):
         self._done = done
+        self._mode = mode
         self._queue = queue.Queue()
         self._error = None
         self._thread = threading.Thread(target=self._run, name="elastic-checkpoint-io",
@@ -150,7 +158,7 @@ class _IOThread:
             self._done(index)       # skipped after an error; the tensor is free anyway
             return
         try:
-            _write_file(path, data, done=lambda: self._done(index))
+            _write_file(path, data, done=lambda: self._done(index), mode=self._mode)
         except BaseException as exc:  # noqa: BLE001 - re-raised by raise_error()
             self._error = exc
 
@@ -180,9 +188,9 @@ def _byte_view(t):
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def _write_file(path, data, done):
+def _write_file(path, data, done, mode=storage.FILE_MODE):
     """Write, call ``done()`` (the data is no longer read), then fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = storage.create_file(path, mode)
     try:
         try:
             view = memoryview(data).cast("B")
@@ -206,7 +214,14 @@ def _fsync_path(path):
 
 
 def _has_blob(directory, name, size):
+    """Reuse a blob only when it is known good (storage.py) and still there.
+
+    Any other file of that name is written again: same name, same bytes.
+    """
+    if not storage.is_known_good(directory, name, size):
+        return False
     try:
         return os.stat(blob_path(directory, name)).st_size == size
     except FileNotFoundError:
+        storage.forget_blob(directory, name)
         return False

@@ -1,0 +1,28 @@
+"""What can go wrong with a checkpoint, by kind: the store treats each differently."""
+
+from elastic.exceptions import ElasticError
+
+
+class CheckpointError(ElasticError):
+    """A checkpoint could not be written or read."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A manifest or blob was read and does not verify (checksum, size or format).
+
+    The only kind that quarantines files (renamed ``*.corrupt``, never deleted).
+    """
+
+    def __init__(self, message, bad_blobs=()):
+        super().__init__(message)
+        self.bad_blobs = list(bad_blobs)
+
+
+class Unreadable(CheckpointError):
+    """A file could not be read even after retries (an OSError: EIO, ESTALE, EMFILE,
+    missing...). Says nothing about its content: the checkpoint is skipped for this
+    load and nothing is renamed."""
+
+    def __init__(self, message, cause=None):
+        super().__init__(message)
+        self.cause = cause
