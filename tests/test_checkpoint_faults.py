@@ -248,7 +248,7 @@ def _modes(directory):
 def _checkpoint_once(directory):
     model, optimizer = _model(64)
     ck = Checkpointer(directory, every_commits=1)
-    state = TorchState(model, optimizer, checkpoint=ck)
+    state = TorchState(model, optimizer, elastic_checkpoint=ck)
     state.sync()
     _train(state, model, optimizer, 1)
     ck.close()
@@ -287,7 +287,7 @@ def test_enospc_on_a_real_full_filesystem_warns_once_and_recovers(tmp_path, capf
     with tmpfs(tmp_path / "mnt", "256k") as mnt:
         model, optimizer = _model(512)                     # 1 MB of weights: does not fit
         ck = Checkpointer(mnt / "ckpt", every_commits=1)
-        state = TorchState(model, optimizer, checkpoint=ck)
+        state = TorchState(model, optimizer, elastic_checkpoint=ck)
         state.sync()
         assert ck.is_writer
         _train(state, model, optimizer, 4)
@@ -311,7 +311,7 @@ def test_a_read_only_directory_still_resumes_and_training_goes_on(tmp_path, capf
     with tmpfs(tmp_path / "mnt", "16m") as mnt:
         model, optimizer = _model(16)
         ck = Checkpointer(mnt / "ckpt", every_commits=1)
-        state = TorchState(model, optimizer, checkpoint=ck)
+        state = TorchState(model, optimizer, elastic_checkpoint=ck)
         state.sync()
         _train(state, model, optimizer, 3)
         ck.close()
@@ -319,7 +319,7 @@ def test_a_read_only_directory_still_resumes_and_training_goes_on(tmp_path, capf
         model2, optimizer2 = _model(16)
         ck2 = Checkpointer(mnt / "ckpt", every_commits=1)
         ck2.retry_s = 0.0
-        again = TorchState(model2, optimizer2, checkpoint=ck2)
+        again = TorchState(model2, optimizer2, elastic_checkpoint=ck2)
         again.sync()                            # the lock fails; the load works, read-only
         assert ck2.resumed_from["version"] == 3 and again.commit_version == 3
         assert torch.equal(model2.weight, model.weight)
@@ -337,7 +337,7 @@ def test_a_full_disk_while_taking_the_lock_over_warns_once_and_retries(tmp_path,
         model, optimizer = _model(16)
         ck = Checkpointer(mnt / "ckpt", every_commits=1)
         ck.retry_s = 0.0
-        state = TorchState(model, optimizer, checkpoint=ck)
+        state = TorchState(model, optimizer, elastic_checkpoint=ck)
         state.sync()                                        # LOCK.owner: ENOSPC
         assert not ck.is_writer
         _train(state, model, optimizer, 3)                  # each commit retries, quietly
@@ -362,7 +362,7 @@ def test_a_filesystem_without_flock_warns_once_and_training_goes_on(tmp_path, ca
     model, optimizer = _model(16)
     ck = Checkpointer(tmp_path / "ckpt", every_commits=1)
     ck.retry_s = 0.0
-    state = TorchState(model, optimizer, checkpoint=ck)
+    state = TorchState(model, optimizer, elastic_checkpoint=ck)
     state.sync()
     _train(state, model, optimizer, 3)
     assert not ck.is_writer and state.commit_version == 3
@@ -383,7 +383,7 @@ EACCES_SCRIPT = textwrap.dedent("""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck = Checkpointer(sys.argv[1], every_commits=1)
     ck.retry_s = 0.0
-    state = TorchState(model, opt, checkpoint=ck)
+    state = TorchState(model, opt, elastic_checkpoint=ck)
     state.sync()
     for _ in range(3):
         model(torch.ones(1, 4)).sum().backward()
@@ -441,8 +441,8 @@ def test_a_job_on_a_full_checkpoint_directory_survives_a_rank_0_takeover(tmp_pat
         finals = job.assert_ok(job.finish(), epochs=6, samples=64, final_size=1)
         newest = store.load_newest(str(ckpt))
     out = job.output()
-    assert "blacklisting host localhost" in out                # the one that was killed
-    assert "blacklisting host 127.0.0.1" not in out, out[-3000:]
+    # Only the rank 0 that killed itself is blacklisted, never the one that took over.
+    assert len([x for x in out.splitlines() if "blacklisting host" in x]) == 1, out[-4000:]
     assert len([x for x in out.splitlines() if "taking the directory lock" in x]) == 2, out[-4000:]
     assert "Traceback" not in out
     assert newest[1]["objects"]["step"] == ("value", finals[0]["step"])
