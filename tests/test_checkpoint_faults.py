@@ -280,6 +280,12 @@ def test_an_existing_directory_keeps_its_permissions(tmp_path, umask_022):
     modes = _modes(directory)
     assert modes["blobs"] == 0o750
     assert {m for n, m in modes.items() if n != "blobs"} == {0o640}, modes
+    storage.forget_directory(str(directory))
+    os.chmod(directory, 0o777)                # open to all: files are readable, not writable
+    _checkpoint_once(directory)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o777
+    newest = store.list_checkpoints(str(directory))[-1][1]
+    assert stat.S_IMODE(os.stat(newest).st_mode) == 0o644
 
 
 # -- a misbehaving directory never ends a worker -----------------------------------------------

@@ -8,7 +8,8 @@ own host buffers: nothing is copied to write a checkpoint. If the next commit
 comes while the writer still reads some of them, that commit does not wait and
 does not overwrite them: those tensors go into spare buffers, which are reused
 from one write to the next (extra memory: at most one snapshot, usually the
-part the writer has not hashed yet). The format is in checkpoint_store.py.
+part the writer has not hashed yet). The format is in format.py; what a
+misbehaving directory does (one warning, training goes on) in storage.py and below.
 
 On the first sync of a fresh job, rank 0 loads the newest good checkpoint and
 takes over its commit version; the others then receive it by the normal sync,

@@ -7,8 +7,9 @@
   verify is corrupt (format.py).
 * **Owner-only files.** A directory the store creates is 0700 and its files
   0600. A directory that already exists keeps its permissions, and new files
-  get the group/other read-write bits it grants (a 0750 directory gets 0640
-  files), so an operator's shared directory stays shared.
+  get the group/other read bits it grants (a 0750 directory gets 0640 files),
+  so an operator's shared directory stays readable to those it was shared
+  with; write bits are never passed on.
 * **Known-good blobs.** A blob is reused by a new checkpoint only when this
   process knows its content is good: it wrote it (and recorded its hash), or
   it read it back and verified size and hash. Any other file with the right
@@ -90,12 +91,12 @@ def make_dir(path, like=None):
 
 
 def file_mode(directory):
-    """0600, plus the group/other read-write bits that ``directory`` grants."""
+    """0600, plus the group/other read bits that ``directory`` grants."""
     try:
         granted = stat.S_IMODE(os.stat(directory).st_mode)
     except OSError:
         granted = 0
-    return FILE_MODE | (granted & 0o066)
+    return FILE_MODE | (granted & 0o044)
 
 
 def create_file(path, mode):

@@ -1,4 +1,4 @@
-"""Writing one checkpoint (format: checkpoint_store.py) straight from snapshot buffers.
+"""Writing one checkpoint (format: format.py) straight from snapshot buffers.
 
 Phase 1 reads the tensors: this thread hashes each one while an I/O thread
 writes and fsyncs the previous new blob to a temp file, so hashing overlaps the
