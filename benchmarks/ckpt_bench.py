@@ -175,9 +175,9 @@ def main():
     full_total = ck.stats["last"]["bytes_total"]
     ck.close(final=False)
     # What the writer's hashing alone costs on this CPU: sha256 of the same buffers.
-    from elastic.checkpoint.format import _sha
-    from elastic.checkpoint.writer import _byte_view
-    hash_s = [timed(lambda: [_sha(_byte_view(b)) for b in state._snapshot.buffers])
+    from elastic.checkpoint.format import sha256_hex
+    from elastic.checkpoint.writer import byte_view
+    hash_s = [timed(lambda: [sha256_hex(byte_view(b)) for b in state._snapshot.buffers])
               for _ in range(3)]
 
     # -- bytes: half the parameters frozen --------------------------------------------------

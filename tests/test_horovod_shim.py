@@ -55,6 +55,6 @@ def job_third_host():
 def test_horovod_environment_aliases_exported(monkeypatch):
     from elastic.worker import runtime
     monkeypatch.setattr(os, "environ", dict(os.environ))
-    runtime._export_membership(runtime.Membership(rank=3, size=4, hostname="h"))
+    runtime.Membership(rank=3, size=4, hostname="h").export()
     assert os.environ["HOROVOD_RANK"] == "3" and os.environ["HOROVOD_SIZE"] == "4"
     assert os.environ["HOROVOD_HOSTNAME"] == "h"

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from elastic.state.snapshot import Snapshot, _Ref, flat_specs, join, pack, split, unpack
+from elastic.state.snapshot import Snapshot, TensorRef, flat_specs, join, pack, split, unpack
 
 
 def _bytes(t):
@@ -62,7 +62,7 @@ def test_split_join_round_trip_nested():
 
     def walk(node):
         assert not torch.is_tensor(node)
-        if isinstance(node, _Ref):
+        if isinstance(node, TensorRef):
             seen.append(node.index)
         elif isinstance(node, dict):
             for v in node.values():
@@ -92,7 +92,7 @@ def test_split_detaches_and_copies_plain_values():
 def test_split_of_a_bare_tensor_and_of_a_leaf():
     t = torch.arange(4)
     skeleton, tensors = split(t)
-    assert isinstance(skeleton, _Ref)
+    assert isinstance(skeleton, TensorRef)
     assert_bitwise(join(skeleton, tensors), t)
     skeleton, tensors = split(5)
     assert skeleton == 5 and tensors == []

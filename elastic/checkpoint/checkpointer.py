@@ -17,6 +17,7 @@ whatever the world size.
 """
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -34,9 +35,12 @@ from elastic.checkpoint.lock import (
     job_id,
 )
 from elastic.checkpoint.writer import write_checkpoint
+from elastic import protocol
+from elastic.protocol import env_float
 from elastic.worker import runtime
 
-ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
+log = logging.getLogger(__name__)
+ENV_DIR = protocol.ENV_CHECKPOINT_DIR
 DEFAULT_EVERY_COMMITS = 10
 DEFAULT_EVERY_SECONDS = 60.0
 
@@ -44,10 +48,6 @@ DEFAULT_EVERY_SECONDS = 60.0
 def _warn(message):
     sys.stderr.write(f"elastic: warning: {message}\n")
     sys.stderr.flush()
-
-
-def _env_float(name, default):
-    return float(os.environ.get(name, default))
 
 
 class Checkpointer:
@@ -80,12 +80,12 @@ class Checkpointer:
         self.every_commits = None if every_commits is None else int(every_commits)
         self.every_seconds = every_seconds
         self.keep = int(keep)
-        self.lock_wait_s = _env_float("ELASTIC_CHECKPOINT_LOCK_WAIT", 10.0)
-        self.write_timeout_s = _env_float("ELASTIC_CHECKPOINT_WRITE_TIMEOUT", 600.0)
-        self.retry_s = _env_float("ELASTIC_CHECKPOINT_RETRY", 5.0)
+        self.lock_wait_s = env_float(protocol.ENV_CHECKPOINT_LOCK_WAIT, 10.0)
+        self.write_timeout_s = env_float(protocol.ENV_CHECKPOINT_WRITE_TIMEOUT, 600.0)
+        self.retry_s = env_float(protocol.ENV_CHECKPOINT_RETRY, 5.0)
         # Test hooks: slow down phase 1 (while the buffers are read) / phase 2 (durability).
-        self._hold_s = _env_float("ELASTIC_CHECKPOINT_TEST_HOLD", 0.0)
-        self._delay_s = _env_float("ELASTIC_CHECKPOINT_TEST_DELAY", 0.0)
+        self._hold_s = env_float(protocol.ENV_CHECKPOINT_TEST_HOLD, 0.0)
+        self._delay_s = env_float(protocol.ENV_CHECKPOINT_TEST_DELAY, 0.0)
         self.resumed_from = None     # {"version", "path"} once a checkpoint was loaded
         self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
                       "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
@@ -248,7 +248,7 @@ class Checkpointer:
         state.save()
         self._since_commits, self._last_time = 0, time.monotonic()
         self.resumed_from = {"version": version, "path": path}
-        runtime._log(f"resumed from checkpoint {path} (commit {version})")
+        log.info("resumed from checkpoint %s (commit %s)", path, version)
 
     def _submit(self, state):
         snap = state._snapshot

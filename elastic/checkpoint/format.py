@@ -60,13 +60,13 @@ def list_checkpoints(directory):
     return sorted(found)
 
 
-def _sha(data):
+def sha256_hex(data):
     return hashlib.sha256(data).hexdigest()
 
 
 def encode_manifest(body):
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"body": body, "sha256": _sha(canonical.encode())},
+    return json.dumps({"body": body, "sha256": sha256_hex(canonical.encode())},
                       sort_keys=True, indent=1).encode()
 
 
@@ -79,7 +79,7 @@ def read_manifest(path):
         doc = json.loads(bytes(raw))
         body = doc["body"]
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        ok = _sha(canonical.encode()) == doc["sha256"] and body["format"] == FORMAT
+        ok = sha256_hex(canonical.encode()) == doc["sha256"] and body["format"] == FORMAT
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"torn or invalid manifest ({exc.__class__.__name__})") from None
     if not ok:
@@ -91,7 +91,7 @@ def read_manifest(path):
 
 def _read_blob(directory, name, size):
     data = storage.read_bytes(blob_path(directory, name))
-    if len(data) != size or _sha(data) != name:
+    if len(data) != size or sha256_hex(data) != name:
         storage.forget_blob(directory, name)
         raise CorruptCheckpoint(f"blob {name[:12]}… fails its checksum", [name])
     storage.remember_blob(directory, name, size)     # verified: a writer may reuse it

@@ -24,7 +24,7 @@ from elastic.checkpoint.format import (
     BLOBS,
     FORMAT,
     SMALL_BYTES,
-    _sha,
+    sha256_hex,
     blob_path,
     encode_manifest,
     manifest_path,
@@ -69,7 +69,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
 
     try:
         try:
-            views = [_byte_view(t) for t in tensors]
+            views = [byte_view(t) for t in tensors]
             pack, offsets = bytearray(), {}
             for i, view in enumerate(views):
                 if view.nbytes < SMALL_BYTES:
@@ -77,7 +77,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
                     offsets[i] = len(pack)
                     pack.extend(view)
                     done(i)
-            pack_name = _sha(pack) if offsets else None
+            pack_name = sha256_hex(pack) if offsets else None
             if hold_s:
                 time.sleep(hold_s)
             entries = []
@@ -85,7 +85,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
                 if i in offsets:
                     name, offset = pack_name, offsets[i]
                 else:
-                    name, offset = _sha(view), 0
+                    name, offset = sha256_hex(view), 0
                     put(name, view, i)
                 entries.append({"blob": name, "offset": offset, "nbytes": view.nbytes,
                                 "dtype": str(t.dtype).replace("torch.", ""),
@@ -94,7 +94,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
             if offsets:
                 put(pack_name, pack)
             skeleton_bytes = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
-            skeleton_name = _sha(skeleton_bytes)
+            skeleton_name = sha256_hex(skeleton_bytes)
             put(skeleton_name, skeleton_bytes)
         finally:
             io.join()                   # the I/O thread may still read a tensor
@@ -179,7 +179,7 @@ class _IOThread:
             raise self._error
 
 
-def _byte_view(t):
+def byte_view(t):
     """The tensor's bytes without a copy (snapshot buffers are contiguous host tensors)."""
     t = t.detach()
     if t.device.type != "cpu":

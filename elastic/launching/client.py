@@ -28,9 +28,10 @@ import time
 import cloudpickle
 
 from elastic.exceptions import ElasticError
+from elastic.launching.worker import ERRORS
+from elastic.streams import pump_lines, read_json_lines
 
 RESULTS = "results"
-ERRORS = "errors"
 STDERR_TAIL_LINES = 20
 _OUTPUT_TAIL_LINES = 200
 _TERMINATE_GRACE_S = 10.0
@@ -231,9 +232,11 @@ def _run(argv, env, timeout, quiet):
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     errors = collections.deque(maxlen=_OUTPUT_TAIL_LINES)
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, "stdout", quiet, None),
+    pumps = [threading.Thread(target=pump_lines,
+                              args=(proc.stdout, _pass_through("stdout", quiet, None)),
                               daemon=True),
-             threading.Thread(target=_pump, args=(proc.stderr, "stderr", quiet, errors),
+             threading.Thread(target=pump_lines,
+                              args=(proc.stderr, _pass_through("stderr", quiet, errors)),
                               daemon=True)]
     for pump in pumps:
         pump.start()
@@ -258,21 +261,20 @@ def _run(argv, env, timeout, quiet):
     return code, list(errors)
 
 
-def _pump(stream, name, quiet, keep):
-    try:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            if keep is not None:
-                keep.append(line.rstrip("\n"))
-            if not quiet:
-                target = sys.stdout if name == "stdout" else sys.stderr
-                try:
-                    target.write(line)
-                    target.flush()
-                except (OSError, ValueError):
-                    pass
-    finally:
-        stream.close()
+def _pass_through(name, quiet, keep):
+    """A line handler: keep the line (``keep``: a deque, or None), echo it unless quiet."""
+    def handle(raw):
+        line = raw.decode("utf-8", "replace")
+        if keep is not None:
+            keep.append(line.rstrip("\n"))
+        if not quiet:
+            target = sys.stdout if name == "stdout" else sys.stderr
+            try:
+                target.write(line)
+                target.flush()
+            except (OSError, ValueError):
+                pass
+    return handle
 
 
 def _terminate(proc):
@@ -418,14 +420,8 @@ class _Outcome:
 
 
 def _read_events(path):
-    events = []
     try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    continue
+        events = read_json_lines(path)
     except OSError:
         return []
     # A user's event log may hold earlier jobs: keep only this one, from its last start.

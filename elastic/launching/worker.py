@@ -16,22 +16,22 @@ import socket
 import sys
 import traceback
 
+from elastic import protocol
+
 ERRORS = "errors"
 
 
 def _worker_id():
-    return os.environ.get("ELASTIC_WORKER_ID", "solo")
+    return os.environ.get(protocol.ENV_WORKER_ID, "solo")
 
 
 def _current_rank():
     """The rank of the round this worker is in, without joining one."""
     from elastic.worker import runtime
-    worker = getattr(runtime, "_worker", None)
-    membership = getattr(worker, "membership", None)
+    membership = runtime.current_membership()
     if membership is not None:
         return membership.rank
-    rank = os.environ.get("ELASTIC_RANK")
-    return int(rank) if rank and rank.isdigit() else None
+    return protocol.rank_from_env()
 
 
 def _write_atomic(path, data):
@@ -50,7 +50,7 @@ def _record_error(results_dir, exc):
     message = str(exc)
     record = {
         "worker": _worker_id(),
-        "host": os.environ.get("ELASTIC_HOSTNAME") or socket.gethostname(),
+        "host": os.environ.get(protocol.ENV_HOSTNAME) or socket.gethostname(),
         "rank": rank,
         "type": type(exc).__qualname__,
         "message": message if len(message) <= 2000 else message[:1997] + "...",

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 
+from elastic import protocol
 from elastic.runner import launcher, serve
 from elastic.runner.agent import run_agent
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
@@ -195,7 +196,7 @@ def config_from_args(args):
         worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
-        extra_env={"ELASTIC_CHECKPOINT_DIR": os.path.abspath(args.checkpoint_dir)}
+        extra_env={protocol.ENV_CHECKPOINT_DIR: os.path.abspath(args.checkpoint_dir)}
         if args.checkpoint_dir else {},
         **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )

@@ -394,14 +394,11 @@ class Driver:
         env.update({
             control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(self.store_port),
             control.ENV_SECRET: self.secret, control.ENV_WORKER_ID: wid,
-            "ELASTIC_HOSTNAME": host, "PYTHONUNBUFFERED": "1",
-            "ELASTIC_ROUND_TIMEOUT": str(self.cfg.elastic_timeout + 120),
-            "ELASTIC_HEARTBEAT_INTERVAL": str(self.cfg.heartbeat_interval),
+            "PYTHONUNBUFFERED": "1",
+            control.ENV_ROUND_TIMEOUT: str(self.cfg.elastic_timeout + 120),
+            control.ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval),
         })
-        for prefix in ("ELASTIC", "HOROVOD"):   # HOROVOD_* for scripts ported from Horovod
-            for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
-                env[f"{prefix}_{name.upper()}"] = str(assignment[name])
-        env["HOROVOD_HOSTNAME"] = host
+        env.update(control.membership_env(assignment, host))
         iface = self.cfg.network_interface
         if iface:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
@@ -410,7 +407,7 @@ class Driver:
             return self.cfg.backend.start(wid, host, env)
         env = {**os.environ, **env}
         if launcher.is_local(host, self._local_names):
-            env["ELASTIC_DRIVER_PID"] = str(os.getpid())
+            env[control.ENV_DRIVER_PID] = str(os.getpid())
             try:
                 return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
             except OSError as exc:

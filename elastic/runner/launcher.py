@@ -31,7 +31,9 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from elastic import protocol
 from elastic.runner import remote
+from elastic.streams import pump_lines
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -115,7 +117,7 @@ def is_local(host, names=None, ssh_loopback=None):
     if ip is None:
         return False
     if ssh_loopback is None:
-        ssh_loopback = os.environ.get("ELASTIC_SSH_LOOPBACK") == "1"
+        ssh_loopback = os.environ.get(protocol.ENV_SSH_LOOPBACK) == "1"
     if not ssh_loopback and ipaddress.ip_address(ip).is_loopback:
         return True
     return ip in {_normal_ip(n) for n in names}
@@ -177,19 +179,21 @@ class OutputSink:
     def _pump(self, worker_id, stream, name, file, on_line=None):
         target = sys.stdout if name == "stdout" else sys.stderr
         prefix = f"[{worker_id}]<{name}>:"
+
+        def handle(raw):
+            if on_line is not None:
+                on_line(raw)
+            if file is not None:
+                file.write(raw)
+            if not self._quiet:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                with self._lock:
+                    target.write(f"{prefix}{line}\n")
+                    target.flush()
+
         try:
-            for raw in iter(stream.readline, b""):
-                if on_line is not None:
-                    on_line(raw)
-                if file is not None:
-                    file.write(raw)
-                if not self._quiet:
-                    line = raw.decode("utf-8", "replace").rstrip("\n")
-                    with self._lock:
-                        target.write(f"{prefix}{line}\n")
-                        target.flush()
+            pump_lines(stream, handle)
         finally:
-            stream.close()
             if file is not None:
                 file.close()
 
@@ -287,7 +291,7 @@ def forwarded_env(env):
 def remote_spec(command, env, cwd):
     """The JSON line remote.py reads: the secret moves out of env into its own field."""
     env = forwarded_env(env)
-    secret = env.pop(remote.SECRET_ENV, "")
+    secret = env.pop(protocol.ENV_SECRET, "")
     return (json.dumps({"command": list(command), "cwd": cwd, "env": env, "secret": secret},
                        separators=(",", ":")) + "\n").encode()
 
@@ -353,7 +357,7 @@ def start_ssh(worker_id, host, command, env, sink, settings, store_addr=None):
     def send():
         # Only now, off the driver's thread: the address may need a DNS lookup.
         # If even that fails, remote.py falls back to sshd's SSH_CONNECTION.
-        env[remote.ADDR_ENV] = store_addr or source_address(host) or ""
+        env[protocol.ENV_ADDR] = store_addr or source_address(host) or ""
         try:
             popen.stdin.write(remote_spec(command, env, cwd))
             popen.stdin.flush()

@@ -6,20 +6,14 @@ and evictions as red marks. matplotlib is an optional extra
 """
 
 import argparse
-import json
 import sys
+
+from elastic.streams import read_json_lines
 
 
 def load(path):
-    events = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise ValueError(f"{path}: line {number} is not JSON") from None
-    return events
+    """The events of ``path``; ValueError names a line that is not JSON."""
+    return read_json_lines(path, strict=True)
 
 
 def timeline(events):

@@ -16,7 +16,7 @@ import sys
 import torch
 
 
-class _Ref:
+class TensorRef:
     """Placeholder for the i-th tensor of a tree."""
 
     __slots__ = ("index",)
@@ -25,7 +25,10 @@ class _Ref:
         self.index = index
 
     def __reduce__(self):
-        return (_Ref, (self.index,))
+        return (TensorRef, (self.index,))
+
+
+_Ref = TensorRef   # the name in checkpoints written before the rename
 
 
 def _map_leaves(node, leaf):
@@ -40,13 +43,13 @@ def _map_leaves(node, leaf):
 
 
 def split(tree):
-    """(skeleton, tensors): the tree with tensors replaced by _Ref, and the tensors."""
+    """(skeleton, tensors): the tree with tensors replaced by TensorRef, and the tensors."""
     tensors = []
 
     def leaf(node):
         if torch.is_tensor(node):
             tensors.append(node.detach())
-            return _Ref(len(tensors) - 1)
+            return TensorRef(len(tensors) - 1)
         return copy.deepcopy(node)
 
     return _map_leaves(tree, leaf), tensors
@@ -54,7 +57,7 @@ def split(tree):
 
 def join(skeleton, tensors):
     """Inverse of split."""
-    return _map_leaves(skeleton, lambda n: tensors[n.index] if isinstance(n, _Ref) else n)
+    return _map_leaves(skeleton, lambda n: tensors[n.index] if isinstance(n, TensorRef) else n)
 
 
 class Snapshot:

@@ -12,10 +12,11 @@ import warnings
 
 import torch
 
-from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.exceptions import HostsUpdatedInterrupt
 from elastic.state import handlers
 from elastic.state.snapshot import Snapshot, host_clone, join, pack, split
 from elastic.worker import collectives, runtime
+from elastic.worker.waiting import issue, wait
 
 _UNCOMMITTED = -1
 
@@ -126,9 +127,10 @@ class State:
         length = torch.tensor([header_t.numel()], dtype=torch.int64)
         w = runtime.worker()
         for tensor in [length, header_t] + [f for f in flats if f.numel()]:
-            works = [_issue_send(w, tensor, dst) for dst in receivers]
+            works = [issue(lambda t=tensor, d=dst: w.cpu_group.send([t], d, 0), "send")
+                     for dst in receivers]
             for work in works:
-                collectives.wait(work, "send", w)
+                wait(work, "send", w)
             if tensor.numel() and tensor is not length and tensor is not header_t:
                 self.sync_stats["bytes_sent"] += \
                     tensor.numel() * tensor.element_size() * len(receivers)
@@ -163,13 +165,6 @@ class State:
             raise
         snap.install(header, flats)
         self.restore()
-
-
-def _issue_send(w, tensor, dst):
-    try:
-        return w.cpu_group.send([tensor], dst, 0)
-    except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
-        raise WorkersDepartedError(f"send failed: {exc}") from exc
 
 
 class ObjectState(State):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.protocol import Keys
-from elastic.worker import runtime
+from elastic.worker import runtime, waiting
 from elastic.worker.groups import TrackedGroup
 
 
@@ -211,7 +211,7 @@ def _build(w, ranks):
     builder.start()
     deadline = time.monotonic() + w.collective_timeout
     while builder.is_alive():
-        builder.join(runtime.WAIT_SLICE_S)
+        builder.join(waiting.WAIT_SLICE_S)
         if builder.is_alive() and (w.round_aborted() or time.monotonic() > deadline):
             raise WorkersDepartedError(f"process set {ranks} did not form in round {w.round_id}")
     if "error" in result:

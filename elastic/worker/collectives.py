@@ -1,21 +1,20 @@
 """Collectives that never wait without bound.
 
 Each one is issued with async work on the current round's group and waited
-on in short slices that watch the driver's abort key. Any failure of
+on in short slices that watch the driver's abort key (waiting.py). Any failure of
 torch.distributed surfaces as WorkersDepartedError, which the run loop turns
 into restore-and-rejoin. Outside elasticrun (size 1) they are identities.
 """
 
 import io
 import pickle
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from elastic.exceptions import WorkersDepartedError
 from elastic.worker import runtime
+from elastic.worker.waiting import issue as _issue
+from elastic.worker.waiting import wait
 
 
 class ReduceOp:
@@ -44,48 +43,6 @@ def _active_worker():
 
 def _group_for(w, tensor):
     return w.device_group if tensor.is_cuda else w.cpu_group
-
-
-def wait(work, what="collective", worker=None):
-    """Wait for ``work`` in slices; abandon it if the round is aborted."""
-    w = worker or runtime.worker()
-    error, waited = [], []
-    if not work.is_completed():
-        done = threading.Event()
-        try:
-            work.get_future().add_done_callback(lambda _fut: done.set())
-        except RuntimeError:
-            # Point-to-point work has no future: a helper thread blocks for us.
-            def block():
-                try:
-                    work.wait()
-                except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-                    error.append(exc)
-                waited.append(True)
-                done.set()
-            threading.Thread(target=block, daemon=True, name="elastic-wait").start()
-        deadline = time.monotonic() + (w.collective_timeout if w else 600)
-        while not done.wait(runtime.WAIT_SLICE_S):
-            if w is not None and w.round_aborted():
-                raise WorkersDepartedError(f"{what} abandoned: round {w.round_id} was aborted")
-            if time.monotonic() > deadline:
-                raise WorkersDepartedError(f"{what} timed out")
-    try:
-        if error:
-            raise error[0]
-        if not waited:
-            work.wait()
-    except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
-        raise WorkersDepartedError(f"{what} failed: {exc}") from exc
-
-
-def _issue(fn, what):
-    try:
-        return fn()
-    except WorkersDepartedError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise WorkersDepartedError(f"{what} failed: {exc}") from exc
 
 
 def allreduce_async(tensor, op=Average):

@@ -1,11 +1,15 @@
-"""Process groups of past rounds, freed once nothing can still touch them.
+"""A round's process groups: built so that an abort can interrupt the wait, tracked,
+and freed once nothing can still touch them.
 
-Each gloo group holds about 5 fds and 3 threads per rank (DESIGN §6), so a
-long job must not keep every past round's group. Freeing one is safe only
-once no work issued on it is still running: its destructor waits for that
-work, and a collective abandoned on an aborted round may still wait on a
-peer. So every group records the work issued on it (``TrackedGroup``), and a
-retired group is released as soon as all its work has completed.
+Each round gets fresh groups under a round-scoped PrefixStore, so a worker from
+an older round can never reach a newer one (fencing by construction).
+
+Each gloo group holds about 5 fds and 3 threads per rank, so a long job must
+not keep every past round's group. Freeing one is safe only once no work
+issued on it is still running: its destructor waits for that work, and a
+collective abandoned on an aborted round may still wait on a peer. So every
+group records the work issued on it (``TrackedGroup``), and a retired group is
+released as soon as all its work has completed.
 
 Work abandoned on an aborted round drains by itself: a peer that leaves the
 round releases its own, idle group at once, which closes its connections,
@@ -14,10 +18,24 @@ milliseconds). The group's timeout is the backstop for a peer that never
 closes (a stopped process is killed by the driver, which closes them too).
 """
 
-import threading
+from __future__ import annotations
 
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
 import torch.distributed as dist
 
+from elastic import protocol
+from elastic.exceptions import WorkersDepartedError
+from elastic.protocol import Keys
+from elastic.worker import waiting
+
+if TYPE_CHECKING:
+    from elastic.worker.runtime import Worker
 
 class TrackedGroup:
     """A process group that remembers its unfinished work.
@@ -94,3 +112,49 @@ class RetiredGroups:
 
     def __len__(self):
         return len(self._groups)
+
+
+def use_nccl() -> bool:
+    backend = os.environ.get(protocol.ENV_BACKEND, "auto")
+    return backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+
+
+def build_groups(worker: Worker, round_id: int) -> tuple[TrackedGroup, TrackedGroup]:
+    """(cpu group, device group) of ``worker``'s membership in ``round_id``.
+
+    Raises WorkersDepartedError when the round is aborted or a peer never
+    connects. The device group is the cpu group when NCCL is not in use.
+    """
+    m = worker.membership
+    prefix = dist.PrefixStore(Keys.process_group(round_id), worker.control.raw)
+    timeout = timedelta(seconds=worker.collective_timeout)
+    result = {}
+
+    def build():
+        try:
+            result["cpu"] = dist.ProcessGroupGloo(
+                dist.PrefixStore("gloo/", prefix), m.rank, m.size, timeout)
+            if use_nccl():
+                torch.cuda.set_device(m.local_rank % torch.cuda.device_count())
+                result["device"] = dist.ProcessGroupNCCL(
+                    dist.PrefixStore("nccl/", prefix), m.rank, m.size)
+        except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
+            result["error"] = exc
+
+    builder = threading.Thread(target=build, name="elastic-group-build", daemon=True)
+    builder.start()
+    deadline = time.monotonic() + worker.collective_timeout
+    while builder.is_alive():
+        builder.join(waiting.WAIT_SLICE_S)
+        if builder.is_alive() and (worker.round_aborted() or time.monotonic() > deadline):
+            raise WorkersDepartedError(f"process group for round {round_id} did not form")
+    if "error" in result:
+        raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
+    cpu = TrackedGroup(result["cpu"])
+    # A group is usable only once every peer finished connecting: without this
+    # a peer that returns at once (and exits) breaks the others' set-up.
+    probe = torch.zeros(1)
+    work = waiting.issue(lambda: cpu.allreduce([probe]), f"process group for round {round_id}")
+    # round_aborted() reads worker.round_id, which is already this round.
+    waiting.wait(work, "group check", worker)
+    return cpu, (TrackedGroup(result["device"]) if "device" in result else cpu)

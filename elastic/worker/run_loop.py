@@ -1,10 +1,14 @@
 """The @elastic.run decorator: the loop that survives membership changes."""
 
 import functools
+import logging
 import time
 
 from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
-from elastic.worker import runtime
+from elastic.worker import logs, runtime
+
+log = logging.getLogger(__name__)
+logs.install()
 
 
 def run(func):
@@ -35,8 +39,8 @@ def run(func):
                 result = func(state, *args, **kwargs)
             except WorkersDepartedError as exc:
                 paused_at = paused_at or time.monotonic()
-                runtime._log(f"round {worker.round_id if worker else 0} failed ({exc}); "
-                             "restoring the last commit")
+                log.info("round %d failed (%s); restoring the last commit",
+                         worker.round_id if worker else 0, exc)
                 if worker is not None:
                     worker.report_failure()
                 state.restore()

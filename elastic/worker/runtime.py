@@ -1,33 +1,30 @@
-"""The worker's side of the job: membership, rounds and process groups.
+"""The worker's side of the job: membership, rounds and the heartbeat.
 
-A worker follows the driver's rounds. Each round gets a fresh process group
-under a round-scoped PrefixStore, so a worker from an older round can never
-reach a newer one (fencing by construction). Every wait here is sliced and
-watches the round's abort key, because a gloo peer blocked on another survivor
-does not notice a death until its own timeout (DESIGN §6).
+A worker follows the driver's rounds: it registers, waits for a plan that
+names it, assembles with the round's other members and builds the round's
+process groups (groups.py). Every wait is bounded and watches the round's
+abort key (waiting.py). See docs/architecture.md for a round's life.
 """
 
+from __future__ import annotations
+
 import atexit
+import dataclasses
+import logging
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch
-import torch.distributed as dist
 
 from elastic import protocol as control
 from elastic.exceptions import ElasticError, WorkersDepartedError
-from elastic.protocol import ControlStore, Keys
-from elastic.worker.groups import RetiredGroups, TrackedGroup
+from elastic.protocol import ControlStore, Keys, env_float
+from elastic.worker import logs
+from elastic.worker.groups import RetiredGroups, build_groups
 
-WAIT_SLICE_S = 0.1
-
-
-def _env_float(name, default):
-    return float(os.environ.get(name, default))
+log = logging.getLogger(__name__)
+logs.install()
 
 
 @dataclass(frozen=True)
@@ -40,10 +37,13 @@ class Membership:
     cross_size: int = 1
     hostname: str = ""
 
+    def env(self) -> dict[str, str]:
+        """The ELASTIC_* / HOROVOD_* variables that describe this membership."""
+        return control.membership_env(dataclasses.asdict(self), self.hostname)
 
-def _log(msg):
-    sys.stderr.write(f"elastic[{os.environ.get(control.ENV_WORKER_ID, '-')}]: {msg}\n")
-    sys.stderr.flush()
+    def export(self) -> None:
+        """Set them in os.environ: they hold the worker's first round, as Horovod's do."""
+        os.environ.update(self.env())
 
 
 class _Heartbeat(threading.Thread):
@@ -72,7 +72,7 @@ class _Heartbeat(threading.Thread):
                 failures += 1
                 conn = None
                 if failures >= 3 and not self._stop.is_set():
-                    _log("lost contact with elasticrun; exiting so no orphan is left behind")
+                    log.error("lost contact with elasticrun; exiting so no orphan is left behind")
                     os._exit(1)
             self._stop.wait(self._interval)
 
@@ -84,18 +84,18 @@ class Worker:
     """One process of an elasticrun job."""
 
     def __init__(self):
-        driver_pid = os.environ.get("ELASTIC_DRIVER_PID")
+        driver_pid = os.environ.get(control.ENV_DRIVER_PID)
         if driver_pid and os.getppid() != int(driver_pid):
             # The driver died before the kernel could tie us to it (PDEATHSIG).
-            _log("elasticrun is gone; exiting")
+            log.error("elasticrun is gone; exiting")
             os._exit(1)
         self.worker_id = os.environ[control.ENV_WORKER_ID]
         self._addr = os.environ[control.ENV_ADDR]
         self._port = int(os.environ[control.ENV_PORT])
         self._secret = control.read_secret_from_env()
-        self.store_timeout = _env_float("ELASTIC_STORE_TIMEOUT", 60)
-        self.round_timeout = _env_float("ELASTIC_ROUND_TIMEOUT", 900)
-        self.collective_timeout = _env_float("ELASTIC_COLLECTIVE_TIMEOUT", 600)
+        self.store_timeout = env_float(control.ENV_STORE_TIMEOUT, 60)
+        self.round_timeout = env_float(control.ENV_ROUND_TIMEOUT, 900)
+        self.collective_timeout = env_float(control.ENV_COLLECTIVE_TIMEOUT, 600)
         self.control = self.new_control_connection()
         self.round_id = 0
         self.membership = None
@@ -104,7 +104,7 @@ class Worker:
         self.cpu_group = None
         self.device_group = None
         self.retired_groups = RetiredGroups()
-        self._heartbeat = _Heartbeat(self, _env_float("ELASTIC_HEARTBEAT_INTERVAL", 1.0))
+        self._heartbeat = _Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
         self._heartbeat.start()
 
     def new_control_connection(self, timeout=None):
@@ -185,54 +185,15 @@ class Worker:
             cross_rank=me["cross_rank"], cross_size=me["cross_size"], hostname=me["host"],
         )
         try:
-            self._build_groups(round_id)
+            self.cpu_group, self.device_group = build_groups(self, round_id)
         except WorkersDepartedError:
             self.report_failure()
             self._drop_groups()
             return False
         if not self.ever_member:
-            _export_membership(self.membership)
+            self.membership.export()
         self.ever_member = True
         return True
-
-    def _build_groups(self, round_id):
-        """Create the round's groups off-thread so that an abort can interrupt the wait."""
-        m = self.membership
-        prefix = dist.PrefixStore(Keys.process_group(round_id), self.control.raw)
-        timeout = timedelta(seconds=self.collective_timeout)
-        result = {}
-
-        def build():
-            try:
-                result["cpu"] = dist.ProcessGroupGloo(
-                    dist.PrefixStore("gloo/", prefix), m.rank, m.size, timeout)
-                if _use_nccl():
-                    torch.cuda.set_device(m.local_rank % torch.cuda.device_count())
-                    result["device"] = dist.ProcessGroupNCCL(
-                        dist.PrefixStore("nccl/", prefix), m.rank, m.size)
-            except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
-                result["error"] = exc
-
-        builder = threading.Thread(target=build, name="elastic-group-build", daemon=True)
-        builder.start()
-        deadline = time.monotonic() + self.collective_timeout
-        while builder.is_alive():
-            builder.join(WAIT_SLICE_S)
-            if builder.is_alive() and (self.round_aborted() or time.monotonic() > deadline):
-                raise WorkersDepartedError(f"process group for round {round_id} did not form")
-        if "error" in result:
-            raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
-        self.cpu_group = TrackedGroup(result["cpu"])
-        self.device_group = TrackedGroup(result["device"]) if "device" in result else self.cpu_group
-        # A group is usable only once every peer finished connecting: without this
-        # a peer that returns at once (and exits) breaks the others' set-up.
-        from elastic.worker import collectives
-        probe = torch.zeros(1)
-        try:
-            work = self.cpu_group.allreduce([probe])
-        except Exception as exc:  # noqa: BLE001
-            raise WorkersDepartedError(f"process group for round {round_id}: {exc}") from exc
-        collectives.wait(work, "group check", self)
 
     def _drop_groups(self):
         """Leave the round's groups without waiting for them to drain.
@@ -248,7 +209,7 @@ class Worker:
         self.retired_groups.release_drained()
 
     def _leave(self, why):
-        _log(why)
+        log.info(why)
         self.stop()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -256,19 +217,6 @@ class Worker:
 
     def stop(self):
         self._heartbeat.stop()
-
-
-def _export_membership(m):
-    """The ELASTIC_* variables hold the worker's first round (DESIGN §3)."""
-    for prefix in ("ELASTIC", "HOROVOD"):   # HOROVOD_* for ported scripts
-        for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
-            os.environ[f"{prefix}_{name.upper()}"] = str(getattr(m, name))
-        os.environ[f"{prefix}_HOSTNAME"] = m.hostname
-
-
-def _use_nccl():
-    backend = os.environ.get("ELASTIC_BACKEND", "auto")
-    return backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
 
 
 # -- module-level API ----------------------------------------------------------
@@ -319,7 +267,6 @@ class _ExitGuard:
         atexit.register(self._leave)
 
     def _leave(self):
-        import logging
         shutdown()
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
@@ -343,6 +290,11 @@ def shutdown():
         _worker.stop()
         _worker = None
     _initialized = False
+
+
+def current_membership():
+    """The membership of the round this worker is in, or None; never joins or connects."""
+    return _worker.membership if _worker is not None else None
 
 
 def worker():

@@ -1,0 +1,64 @@
+"""Sliced waits: every wait on torch.distributed work can be abandoned.
+
+A gloo peer blocked on another survivor does not notice a death until its own
+timeout, so work is waited on in short slices that watch the round's abort
+key (see docs/architecture.md, "Invariants"). Any backend failure surfaces as
+WorkersDepartedError, which the run loop turns into restore-and-rejoin.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from elastic.exceptions import WorkersDepartedError
+
+if TYPE_CHECKING:
+    from elastic.worker.runtime import Worker
+
+WAIT_SLICE_S = 0.1
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def issue(start: Callable[[], Any], what: str) -> Any:
+    """Start async work; a backend error becomes WorkersDepartedError."""
+    try:
+        return start()
+    except WorkersDepartedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
+        raise WorkersDepartedError(f"{what} failed: {exc}") from exc
+
+
+def wait(work: Any, what: str = "collective", worker: Worker | None = None) -> None:
+    """Wait for ``work`` in slices; abandon it if ``worker``'s round is aborted."""
+    w = worker
+    error, waited = [], []
+    if not work.is_completed():
+        done = threading.Event()
+        try:
+            work.get_future().add_done_callback(lambda _fut: done.set())
+        except RuntimeError:
+            # Point-to-point work has no future: a helper thread blocks for us.
+            def block():
+                try:
+                    work.wait()
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                    error.append(exc)
+                waited.append(True)
+                done.set()
+            threading.Thread(target=block, daemon=True, name="elastic-wait").start()
+        deadline = time.monotonic() + (w.collective_timeout if w else DEFAULT_TIMEOUT_S)
+        while not done.wait(WAIT_SLICE_S):
+            if w is not None and w.round_aborted():
+                raise WorkersDepartedError(f"{what} abandoned: round {w.round_id} was aborted")
+            if time.monotonic() > deadline:
+                raise WorkersDepartedError(f"{what} timed out")
+    try:
+        if error:
+            raise error[0]
+        if not waited:
+            work.wait()
+    except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
+        raise WorkersDepartedError(f"{what} failed: {exc}") from exc

@@ -1,0 +1,116 @@
+"""The package's shape: no import cycles, no reaching into another module's private
+names, the worker side never imports the driver, no module over 500 lines."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "elastic"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+CHECKED = SOURCES + sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
+WORKER_SIDE = ("elastic.worker", "elastic.state", "elastic.checkpoint", "elastic.training",
+               "elastic.launching.worker", "elastic.torch")
+
+
+def module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node):
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(path):
+    """(module, line) for every import that runs (TYPE_CHECKING blocks excluded)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                continue
+            if isinstance(child, ast.Import):
+                found += [(a.name, child.lineno) for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.append((child.module, child.lineno))
+                # `from elastic.worker import runtime` imports a module too
+                found += [(f"{child.module}.{a.name}", child.lineno) for a in child.names]
+            stack.append(child)
+    return found
+
+
+def _graph():
+    names = {module_name(p) for p in SOURCES}
+    graph = {}
+    for path in SOURCES:
+        graph[module_name(path)] = {m for m, _ in imports(path) if m in names} - {module_name(path)}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # A package's __init__ re-exporting its parts is not a cycle of logic.
+    packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").exists()}
+    edges = {m: {d for d in deps if d not in packages} for m, deps in graph.items()}
+    cycles, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_worker_side_never_imports_the_driver():
+    bad = [f"{module_name(p)}:{line} imports {m}" for p in SOURCES
+           if module_name(p).startswith(WORKER_SIDE)
+           for m, line in imports(p) if m.startswith("elastic.runner")]
+    assert not bad, bad
+
+
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_names_of_other_modules(path):
+    tree = ast.parse(path.read_text(), str(path))
+    modules = set()        # local names bound to modules of this project
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("elastic"):
+            for alias in node.names:
+                if _private(alias.name):
+                    bad.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("elastic"):
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_stay_small(path):
+    assert len(path.read_text().splitlines()) <= 500
