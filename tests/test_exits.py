@@ -9,7 +9,7 @@ from elastic.runner.exits import ExitKind, classify_exit, final_outcome
 F, R, X, S = ExitKind.FINISHED, ExitKind.REMOVED, ExitKind.FAILED, ExitKind.STOPPED
 
 
-def expected_kind(code, stopped, in_round, done, member):
+def expected_kind(code, stopped, in_round, done):
     """The rules, written independently of the implementation."""
     if stopped:
         return S           # the driver killed it on purpose: never a failure
@@ -17,41 +17,40 @@ def expected_kind(code, stopped, in_round, done, member):
         return X           # any non-zero exit (signals included) is a failure
     if done or in_round:
         return F           # reported done, or a plain script ending in its round
-    return R               # left without finishing: removed (member or not)
+    return R               # left without finishing: removed (a past member or never one)
 
 
 CODES = [0, 1, 2, 137, -9, -15]
-TABLE = list(itertools.product(CODES, [False, True], [False, True], [False, True],
-                               [False, True]))
+TABLE = list(itertools.product(CODES, [False, True], [False, True], [False, True]))
 
 
-@pytest.mark.parametrize("code,stopped,in_round,done,member", TABLE)
-def test_classify_exit_truth_table(code, stopped, in_round, done, member):
+@pytest.mark.parametrize("code,stopped,in_round,done", TABLE)
+def test_classify_exit_truth_table(code, stopped, in_round, done):
     got = classify_exit(code, stopped_by_driver=stopped, in_current_round=in_round,
-                        reported_done=done, ever_member=member)
-    assert got is expected_kind(code, stopped, in_round, done, member)
+                        reported_done=done)
+    assert got is expected_kind(code, stopped, in_round, done)
 
 
 @pytest.mark.parametrize("kwargs,kind", [
     # The named situations from the design, spelled out.
-    (dict(code=0, stopped_by_driver=False, in_current_round=True, reported_done=True,
-          ever_member=True), F),                        # trained to the end
-    (dict(code=0, stopped_by_driver=False, in_current_round=True, reported_done=False,
-          ever_member=True), F),                        # plain script exits 0 in its round
-    (dict(code=0, stopped_by_driver=False, in_current_round=False, reported_done=False,
-          ever_member=True), R),                        # not in the new plan: exits 0
-    (dict(code=0, stopped_by_driver=False, in_current_round=False, reported_done=False,
-          ever_member=False), R),                       # exited before joining any round
-    (dict(code=1, stopped_by_driver=False, in_current_round=True, reported_done=True,
-          ever_member=True), X),                        # reported done but then crashed
-    (dict(code=1, stopped_by_driver=False, in_current_round=False, reported_done=False,
-          ever_member=False), X),                       # crashed at import
-    (dict(code=-9, stopped_by_driver=True, in_current_round=True, reported_done=False,
-          ever_member=True), S),                        # evicted by the driver
-    (dict(code=-9, stopped_by_driver=False, in_current_round=True, reported_done=False,
-          ever_member=True), X),                        # SIGKILLed by someone else
-    (dict(code=0, stopped_by_driver=True, in_current_round=False, reported_done=True,
-          ever_member=True), S),                        # stop wins even over a clean exit
+    # trained to the end
+    (dict(code=0, stopped_by_driver=False, in_current_round=True, reported_done=True), F),
+    # plain script exits 0 in its round
+    (dict(code=0, stopped_by_driver=False, in_current_round=True, reported_done=False), F),
+    # not in the new plan: exits 0
+    (dict(code=0, stopped_by_driver=False, in_current_round=False, reported_done=False), R),
+    # exited before joining any round
+    (dict(code=0, stopped_by_driver=False, in_current_round=False, reported_done=False), R),
+    # reported done but then crashed
+    (dict(code=1, stopped_by_driver=False, in_current_round=True, reported_done=True), X),
+    # crashed at import
+    (dict(code=1, stopped_by_driver=False, in_current_round=False, reported_done=False), X),
+    # evicted by the driver
+    (dict(code=-9, stopped_by_driver=True, in_current_round=True, reported_done=False), S),
+    # SIGKILLed by someone else
+    (dict(code=-9, stopped_by_driver=False, in_current_round=True, reported_done=False), X),
+    # stop wins even over a clean exit
+    (dict(code=0, stopped_by_driver=True, in_current_round=False, reported_done=True), S),
 ])
 def test_classify_exit_named_cases(kwargs, kind):
     code = kwargs.pop("code")
@@ -60,7 +59,7 @@ def test_classify_exit_named_cases(kwargs, kind):
 
 def test_classify_exit_flags_are_keyword_only():
     with pytest.raises(TypeError):
-        classify_exit(0, False, True, True, True)
+        classify_exit(0, False, True, True)
 
 
 def test_exit_kind_values():
@@ -88,7 +87,7 @@ def test_final_outcome_does_not_mutate_its_input():
 
 def test_plain_script_that_never_joined_finishes():
     kind = classify_exit(0, stopped_by_driver=False, in_current_round=False, reported_done=False,
-                         ever_member=False, never_joined=True)
+                         never_joined=True)
     assert kind is ExitKind.FINISHED
     assert classify_exit(1, stopped_by_driver=False, in_current_round=False, reported_done=False,
-                         ever_member=False, never_joined=True) is ExitKind.FAILED
+                         never_joined=True) is ExitKind.FAILED

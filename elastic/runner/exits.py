@@ -10,8 +10,8 @@ class ExitKind(Enum):
     STOPPED = "stopped"        # killed by the driver on purpose (eviction, cleanup)
 
 
-def classify_exit(code, *, stopped_by_driver, in_current_round, reported_done, ever_member,
-                  never_joined=False):
+def classify_exit(code: int, *, stopped_by_driver: bool, in_current_round: bool,
+                  reported_done: bool, never_joined: bool = False) -> ExitKind:
     """Decide what one worker exit means.
 
     ``never_joined``: no round was ever formed and the worker never called
@@ -26,13 +26,12 @@ def classify_exit(code, *, stopped_by_driver, in_current_round, reported_done, e
     if in_current_round or never_joined:
         # A plain script (no @elastic.run) ends by exiting 0 in its round.
         return ExitKind.FINISHED
-    if ever_member:
-        return ExitKind.REMOVED
-    # Exited 0 before ever joining a round: nothing was trained, so not a finish.
+    # Left the job (not in the new round), or exited 0 before joining one: nothing
+    # was trained to the end, so not a finish.
     return ExitKind.REMOVED
 
 
-def final_outcome(final_codes):
+def final_outcome(final_codes: dict) -> tuple[bool, dict]:
     """Success only when every worker of the final round exited 0."""
     failed = {wid: code for wid, code in final_codes.items() if code != 0}
     return not failed, failed

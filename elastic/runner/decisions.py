@@ -1,0 +1,234 @@
+"""What the driver's policy reasons about: the job's bookkeeping (``Job``, with its
+``Phase``), the facts of one tick, the actions ``policy.decide`` returns, and
+``evolve``, the one function that changes the bookkeeping.
+
+Facts and actions are small frozen dataclasses, so a test can write a tick's
+situation down and compare what comes back with ``==``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from elastic.runner.hosts import HostManager
+
+MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
+
+
+class Phase(Enum):
+    STARTING = "starting"      # no round has formed yet
+    RUNNING = "running"        # a round is training; growth is batched in at a commit
+    REFORMING = "re-forming"   # a member is gone or a collective failed: a new round is needed
+    FINISHING = "finishing"    # a worker finished: waiting for the final round to exit
+
+
+# -- what the driver remembers between ticks --------------------------------------------------
+
+@dataclass(frozen=True)
+class Job:
+    """The job's bookkeeping. Changed only by ``evolve``."""
+
+    phase: Phase = Phase.STARTING
+    round_id: int = 0
+    members: tuple = ()                  # member dicts of the current round (planner.assign)
+    rounds: Mapping = field(default_factory=dict)    # round id -> member worker ids
+    aborted: frozenset = frozenset()
+    resets: int = 0
+    host_order: tuple = ()               # hosts of the current round, oldest first
+    next_worker: int = 0                 # the next worker id
+    final_round: int | None = None
+    final_codes: Mapping = field(default_factory=dict)   # final round's exit codes
+    failed_exits: Mapping = field(default_factory=dict)  # worker id -> non-zero exit code
+    short_since: float | None = None     # since when too few slots stop the job going on
+    failure_report_at: float | None = None
+    last_failure: str | None = None
+
+    def member_ids(self) -> set:
+        return {m["worker_id"] for m in self.members}
+
+
+# -- facts ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Limits:
+    """The parts of the job's configuration that decisions depend on."""
+
+    np: int = 1
+    min_np: int = 1
+    max_np: int | None = None
+    elastic_timeout: float = 600.0
+    reset_limit: int | None = None
+    worker_timeout: float = 30.0
+
+    @property
+    def startup_timeout(self) -> float:
+        """A process that never reaches elastic.init() (a hung import) is evicted too."""
+        return max(MIN_STARTUP_TIMEOUT_S, 4 * self.worker_timeout)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A live worker process as the driver last saw it."""
+
+    worker_id: str
+    host: str
+    slot: int
+    started: float
+    ready: bool = False
+    stopped: bool = False
+    beats: int = 0                # heartbeat counter
+    heartbeat_at: float = 0.0     # when the counter last changed
+
+
+@dataclass(frozen=True)
+class Exit:
+    """A worker process that exited since the last tick."""
+
+    worker_id: str
+    host: str
+    code: int
+    stopped: bool = False         # the driver had stopped it
+    ready: bool = False
+    done_round: int | None = None  # the round it reported training done in
+    note: str = ""                 # words after "exited with code N" (ssh failures)
+
+
+@dataclass(frozen=True)
+class Facts:
+    job: Job
+    limits: Limits
+    hosts: HostManager                  # read only: decide works on a copy
+    workers: Mapping = field(default_factory=dict)   # worker id -> WorkerView, in start order
+    exits: tuple = ()                   # Exit, in the order the driver reaped them
+    liveness_checked: bool = False      # heartbeat counters were read this tick
+    failure_reports: int = 0            # the current round's failure counter
+
+
+# -- actions ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spawn:
+    worker_id: str
+    host: str
+    slot: int
+    assignment: dict          # its tentative member dict: the ELASTIC_* env it starts with
+
+
+@dataclass(frozen=True)
+class Stop:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Stopped for missing heartbeats or a hung start (a HostFailed follows)."""
+    worker_id: str
+    host: str
+
+
+@dataclass(frozen=True)
+class HostFailed:
+    """Blacklist ``host``: ``worker_id`` failed there for ``reason``."""
+    worker_id: str
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    round_id: int
+
+
+@dataclass(frozen=True)
+class Reform:
+    """The current round cannot go on; ``reason`` (if any) is worth a warning."""
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Publish:
+    round_id: int
+    members: tuple
+    change: str               # "start" or describe_change's summary
+
+
+@dataclass(frozen=True)
+class Removed:
+    worker_id: str
+    host: str
+
+
+@dataclass(frozen=True)
+class RecordExit:
+    """Bookkeeping: a failed exit, or the exit of a final-round worker."""
+    worker_id: str
+    code: int
+    final: bool
+
+
+@dataclass(frozen=True)
+class StartFinishing:
+    round_id: int
+    members: tuple = ()       # for round 0 (scripts that never call elastic.init()): its workers
+
+
+@dataclass(frozen=True)
+class MarkShort:
+    since: float | None       # None: no shortage any more
+
+
+@dataclass(frozen=True)
+class MarkFailureReport:
+    at: float | None
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str               # the one line the user sees
+
+
+@dataclass(frozen=True)
+class Finish:
+    round_id: int
+    size: int
+
+
+def evolve(job: Job, action) -> Job:
+    """The bookkeeping after ``action``; actions without bookkeeping leave it alone."""
+    r = dataclasses.replace
+    if isinstance(action, Spawn):
+        return r(job, next_worker=max(job.next_worker, int(action.worker_id) + 1))
+    if isinstance(action, Abort):
+        return r(job, aborted=job.aborted | {action.round_id})
+    if isinstance(action, HostFailed):
+        return r(job, last_failure=action.reason)
+    if isinstance(action, Reform):
+        return r(job, phase=Phase.REFORMING) if job.phase is Phase.RUNNING else job
+    if isinstance(action, Publish):
+        order = list(job.host_order)
+        order += [m["host"] for m in action.members if m["host"] not in order]
+        order = [h for h in order if any(m["host"] == h for m in action.members)]
+        return r(job, phase=Phase.RUNNING, round_id=action.round_id, members=action.members,
+                 rounds={**job.rounds, action.round_id: tuple(m["worker_id"] for m in action.members)},
+                 resets=job.resets + (1 if job.round_id else 0), host_order=tuple(dict.fromkeys(order)),
+                 short_since=None)
+    if isinstance(action, RecordExit):
+        if action.final:
+            return r(job, final_codes={**job.final_codes, action.worker_id: action.code})
+        return r(job, failed_exits={**job.failed_exits, action.worker_id: action.code})
+    if isinstance(action, StartFinishing):
+        rounds = job.rounds
+        if action.members:
+            rounds = {**rounds, action.round_id: tuple(action.members)}
+        finals = set(rounds.get(action.round_id, ()))
+        codes = {**job.final_codes, **{w: c for w, c in job.failed_exits.items() if w in finals}}
+        return r(job, phase=Phase.FINISHING, final_round=action.round_id, rounds=rounds,
+                 final_codes=codes)
+    if isinstance(action, MarkShort):
+        return r(job, short_since=action.since)
+    if isinstance(action, MarkFailureReport):
+        return r(job, failure_report_at=action.at)
+    return job

@@ -1,0 +1,292 @@
+"""The driver's decisions as data: ``decide(facts, now) -> [actions]``, a pure function.
+
+Each tick the driver gathers facts (the job's bookkeeping, its workers, the
+exits since the last tick, the host manager, a few store counters), asks
+``decide`` what to do, and carries out the actions in order. The fact and
+action types, and ``evolve`` (the one place the bookkeeping changes), live in
+decisions.py; ``decide`` folds each action it emits into its own copy of the
+job with ``evolve`` too, so later steps of a tick see what earlier ones did.
+
+Nothing here does I/O, reads a clock or raises for a job that cannot go on
+(that is a ``Fail`` action). To teach the driver something new: add a fact
+field and an action in decisions.py, a step in ``_Tick``, a branch in
+``Driver._carry_out``, and a case in tests/test_decide.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from elastic.runner.decisions import (
+    Abort,
+    Evict,
+    Facts,
+    Fail,
+    Finish,
+    HostFailed,
+    MarkFailureReport,
+    MarkShort,
+    Phase,
+    Publish,
+    RecordExit,
+    Reform,
+    Removed,
+    Spawn,
+    StartFinishing,
+    Stop,
+    WorkerView,
+    evolve,
+)
+from elastic.runner.exits import ExitKind, classify_exit, final_outcome
+from elastic.runner.planner import Candidate, describe_change, plan_round, same_membership
+
+JOIN_BATCH_S = 15.0            # newcomers still importing torch are awaited this long
+FAILURE_REPORT_GRACE_S = 1.0   # a reported collective failure waits for the exit that explains it
+
+
+def decide(facts: Facts, now: float) -> list:
+    """What the driver should do now, in order. Ends with Fail or Finish when the job ends."""
+    tick = _Tick(facts, now)
+    try:
+        tick.run()
+    except _Done:
+        pass
+    return tick.actions
+
+
+class _Done(Exception):
+    """The tick ends early: the job failed or finished."""
+
+
+class _Tick:
+    """One tick's reasoning; ``job`` and ``workers`` track what the actions so far changed."""
+
+    def __init__(self, facts, now):
+        self.facts = facts
+        self.limits = facts.limits
+        self.now = now
+        self.job = facts.job
+        self.hosts = copy.deepcopy(facts.hosts)
+        self.workers = dict(facts.workers)
+        self.pending = {e.worker_id: e for e in facts.exits}   # exits not handled yet
+        self.actions = []
+
+    def emit(self, action):
+        self.actions.append(action)
+        self.job = evolve(self.job, action)
+        if isinstance(action, Stop):
+            self._mark_stopped(action.worker_id)
+        elif isinstance(action, HostFailed):
+            self.hosts.blacklist(action.host, self.now)
+        elif isinstance(action, Spawn):
+            self.workers[action.worker_id] = WorkerView(
+                action.worker_id, action.host, action.slot, started=self.now,
+                heartbeat_at=self.now)
+        elif isinstance(action, (Fail, Finish)):
+            raise _Done()
+
+    def _mark_stopped(self, wid):
+        if wid in self.workers:
+            self.workers[wid] = dataclasses.replace(self.workers[wid], stopped=True)
+        elif wid in self.pending:
+            self.pending[wid] = dataclasses.replace(self.pending[wid], stopped=True)
+
+    def run(self):
+        self.handle_exits()
+        self.check_end()
+        self.check_liveness()
+        self.check_failure_reports()
+        self.reconcile()
+
+    # -- exits ----------------------------------------------------------------------------
+    def handle_exits(self):
+        current = self.job.member_ids()
+        for wid in list(self.pending):
+            e = self.pending.pop(wid)
+            job = self.job
+            kind = classify_exit(e.code, stopped_by_driver=e.stopped, in_current_round=wid in current,
+                                 reported_done=e.done_round is not None,
+                                 never_joined=not e.ready and job.round_id == 0)
+            if job.final_round is not None and wid in job.rounds.get(job.final_round, ()):
+                self.emit(RecordExit(wid, e.code, final=True))
+            elif kind is ExitKind.FINISHED and job.round_id == 0:
+                # A script that never called elastic.init(): the job is its processes.
+                self.emit(StartFinishing(0, members=tuple(self.live_ids()) + (wid,)))
+                self.stop_all_but_finals()
+                self.emit(RecordExit(wid, e.code, final=True))
+            elif kind is ExitKind.FINISHED:
+                done = e.done_round if e.done_round is not None else job.round_id
+                self.emit(StartFinishing(done))
+                self.stop_all_but_finals()
+                self.emit(RecordExit(wid, e.code, final=True))
+            elif kind is ExitKind.FAILED:
+                self.emit(RecordExit(wid, e.code, final=False))
+                self.host_failed(wid, e.host,
+                                 f"worker {wid} on {e.host} exited with code {e.code}{e.note}")
+            elif kind is ExitKind.REMOVED:
+                self.emit(Removed(wid, e.host))
+
+    def live_ids(self):
+        """Live workers plus exits not handled yet: the driver's worker table at this point."""
+        return list(self.workers) + list(self.pending)
+
+    def stop_all_but_finals(self):
+        finals = set(self.job.rounds.get(self.job.final_round, ()))
+        for wid in self.live_ids():
+            if wid not in finals:
+                self.emit(Stop(wid))
+
+    def host_failed(self, wid, host, reason):
+        """A failure blacklists the host and stops its other workers."""
+        self.emit(HostFailed(wid, host, reason))
+        dead = {wid}
+        on_host = [w for w, v in self.workers.items() if v.host == host]
+        on_host += [w for w, e in self.pending.items() if e.host == host]
+        for other in on_host:
+            self.emit(Stop(other))
+            dead.add(other)
+        for round_id, ids in self.job.rounds.items():
+            if round_id not in self.job.aborted and dead & set(ids):
+                self.emit(Abort(round_id))
+        if dead & self.job.member_ids():
+            self.emit(Reform())
+
+    # -- the end --------------------------------------------------------------------------
+    def check_end(self):
+        job = self.job
+        if job.final_round is None:
+            in_rounds = {wid for ids in job.rounds.values() for wid in ids}
+            if job.round_id and not in_rounds & set(self.workers):
+                self.emit(Fail(f"all workers failed (round {job.round_id} has no survivor "
+                               "holding the training state)"))
+            return
+        finals = job.rounds[job.final_round]
+        if any(wid in self.workers for wid in finals):
+            return
+        ok, failed = final_outcome(job.final_codes)
+        if not ok:
+            wid, code = sorted(failed.items())[0]
+            self.emit(Fail(f"worker {wid} exited with code {code} at the end of training"))
+        self.emit(Finish(job.final_round, len(finals)))
+
+    # -- liveness -------------------------------------------------------------------------
+    def check_liveness(self):
+        if not self.facts.liveness_checked:
+            return
+        limits = self.limits
+        for wid in list(self.workers):
+            w = self.workers[wid]
+            if w.stopped:
+                continue
+            if (not w.beats and not w.ready and self.job.round_id
+                    and self.now - w.started > limits.startup_timeout):
+                why = f"did not start within {limits.startup_timeout:.0f} s"
+            elif w.beats and self.now - w.heartbeat_at > limits.worker_timeout:
+                why = f"sent no heartbeat for {limits.worker_timeout:.0f} s"
+            else:
+                continue
+            self.emit(Stop(wid))
+            self.emit(Evict(wid, w.host))
+            self.host_failed(wid, w.host, f"worker {wid} on {w.host} {why}; evicted")
+
+    def check_failure_reports(self):
+        """A worker saw a collective fail but no process died (yet): re-form the round."""
+        job = self.job
+        r = job.round_id
+        if not r or r in job.aborted or job.final_round is not None:
+            if job.failure_report_at is not None:
+                self.emit(MarkFailureReport(None))
+            return
+        if self.facts.failure_reports == 0:
+            return
+        if job.failure_report_at is None:
+            self.emit(MarkFailureReport(self.now))
+        if self.now - self.job.failure_report_at >= FAILURE_REPORT_GRACE_S:
+            self.emit(Reform(f"round {r} reported a failed collective; re-forming it"))
+            self.emit(Abort(r))
+            self.emit(MarkFailureReport(None))
+
+    # -- membership -----------------------------------------------------------------------
+    def wanted_slots(self):
+        return [(h, s) for h, n in self.hosts.available(self.now).items() for s in range(n)]
+
+    def reconcile(self):
+        job, limits = self.job, self.limits
+        if job.phase is Phase.FINISHING:
+            return
+        wanted = self.wanted_slots()
+        wanted_set = set(wanted)
+        admitted = {wid for ids in job.rounds.values() for wid in ids}
+        for wid, w in list(self.workers.items()):
+            # Workers of a past round leave by themselves at their next commit.
+            if (w.host, w.slot) not in wanted_set and wid not in admitted and not w.stopped:
+                self.emit(Stop(wid))
+        if job.phase is Phase.STARTING and len(wanted) < limits.np and not self.workers:
+            self.check_short(len(wanted), limits.np, "to start")
+            return
+        self.spawn_missing(wanted)
+        candidates = [Candidate(w.worker_id, w.host, w.slot) for w in self.workers.values()
+                      if w.ready and not w.stopped and (w.host, w.slot) in wanted_set]
+        target = plan_round(candidates, list(self.job.host_order), limits.max_np)
+        starting = [w for w in self.workers.values() if not w.ready and not w.stopped
+                    and self.now - w.started < JOIN_BATCH_S]
+        job = self.job
+        if job.phase is Phase.STARTING:
+            if len(wanted) < limits.min_np:
+                self.check_short(len(wanted), limits.min_np, "to start")
+            elif starting:
+                return   # slots exist; workers are importing torch, which is not a shortage
+            elif len(target) < limits.min_np:
+                self.check_short(len(target), limits.min_np, "to start")
+            else:
+                self.publish(target)
+            return
+        reforming = job.phase is Phase.REFORMING
+        if not reforming and same_membership(job.members, target):
+            return
+        if len(target) < limits.min_np:
+            if reforming:
+                self.check_short(len(target), limits.min_np, "to continue")
+            return
+        if job.short_since is not None:
+            self.emit(MarkShort(None))
+        removals = job.member_ids() - {m["worker_id"] for m in target}
+        if not reforming and not removals and starting:
+            return   # batch newcomers that are still starting up
+        self.publish(target)
+
+    def check_short(self, have, need, what):
+        if self.job.short_since is None:
+            self.emit(MarkShort(self.now))
+        limits = self.limits
+        if self.now - self.job.short_since > limits.elastic_timeout:
+            self.emit(Fail(f"only {have} of the {need} slots needed {what} became available "
+                           f"within --elastic-timeout {limits.elastic_timeout:g} s"))
+        if self.hosts.all_blacklisted(self.now) and self.hosts.next_return_time(self.now) is None:
+            last = self.job.last_failure
+            self.emit(Fail("every host is blacklisted; no slots left to run on"
+                           + (f" (last failure: {last})" if last else "")))
+
+    def spawn_missing(self, wanted):
+        occupied = {(w.host, w.slot) for w in self.workers.values() if not w.stopped}
+        room = (self.limits.max_np or len(wanted)) - len(occupied)
+        fresh = [hs for hs in wanted if hs not in occupied][:max(room, 0)]
+        if not fresh:
+            return
+        ids = [str(self.job.next_worker + i) for i in range(len(fresh))]
+        members = [m for m in self.job.members if m["worker_id"] in self.workers]
+        tentative = plan_round(
+            [Candidate(m["worker_id"], m["host"], self.workers[m["worker_id"]].slot)
+             for m in members] + [Candidate(i, h, s) for i, (h, s) in zip(ids, fresh)],
+            list(self.job.host_order))
+        by_id = {m["worker_id"]: m for m in tentative}
+        for wid, (host, slot) in zip(ids, fresh):
+            self.emit(Spawn(wid, host, slot, by_id[wid]))
+
+    def publish(self, members):
+        job, limit = self.job, self.limits.reset_limit
+        if job.round_id and limit is not None and job.resets + 1 > limit:
+            self.emit(Fail(f"reset limit {limit} reached; membership changed too often"))
+        change = describe_change(job.members, members) if job.members else "start"
+        self.emit(Publish(job.round_id + 1, tuple(members), change))

@@ -1,0 +1,377 @@
+"""The driver's policy without processes: every branch of ``decide(facts, now)``.
+
+Each test writes a tick's situation down as facts and checks the actions that
+come back. ``World`` plays the driver: it carries actions out on plain
+records (no processes, no store) and folds them into the job with ``evolve``.
+"""
+
+import copy
+import dataclasses
+
+from elastic.runner.decisions import (
+    Abort,
+    Evict,
+    Exit,
+    Facts,
+    Fail,
+    Finish,
+    HostFailed,
+    Job,
+    Limits,
+    MarkFailureReport,
+    MarkShort,
+    Phase,
+    Publish,
+    RecordExit,
+    Reform,
+    Removed,
+    Spawn,
+    StartFinishing,
+    Stop,
+    WorkerView,
+    evolve,
+)
+from elastic.runner.hosts import HostManager
+from elastic.runner.policy import FAILURE_REPORT_GRACE_S, JOIN_BATCH_S, decide
+
+
+class World:
+    """A driver without processes: workers are WorkerViews, exits are queued by hand."""
+
+    def __init__(self, hosts, limits=None, cooldown=None):
+        self.hosts = HostManager(cooldown)
+        self.hosts.update(hosts, 0.0)
+        self.limits = limits or Limits(np=2, min_np=1)
+        self.job = Job()
+        self.workers = {}
+        self.exits = []
+        self.reports = 0
+
+    def facts(self, liveness=False):
+        return Facts(job=self.job, limits=self.limits, hosts=self.hosts,
+                     workers=dict(self.workers), exits=tuple(self.exits),
+                     liveness_checked=liveness, failure_reports=self.reports)
+
+    def tick(self, now, liveness=False):
+        actions = decide(self.facts(liveness), now)
+        self.exits = []
+        for a in actions:
+            self.job = evolve(self.job, a)
+            if isinstance(a, Spawn):
+                self.workers[a.worker_id] = WorkerView(a.worker_id, a.host, a.slot, started=now,
+                                                       heartbeat_at=now)
+            elif isinstance(a, Stop) and a.worker_id in self.workers:
+                self.workers[a.worker_id] = _replace(self.workers[a.worker_id], stopped=True)
+            elif isinstance(a, HostFailed):
+                self.hosts.blacklist(a.host, now)
+        return actions
+
+    def ready(self, *ids, beats=1, at=0.0):
+        for wid in ids or list(self.workers):
+            self.workers[wid] = _replace(self.workers[wid], ready=True, beats=beats, heartbeat_at=at)
+
+    def exit(self, wid, code, done_round=None):
+        w = self.workers.pop(wid)
+        self.exits.append(Exit(wid, w.host, code, stopped=w.stopped, ready=w.ready,
+                               done_round=done_round))
+
+    def running(self, now=1.0):
+        """Spawn, make ready and publish round 1 with every slot."""
+        self.tick(0.0)
+        self.ready()
+        actions = self.tick(now)
+        assert [type(a) for a in actions] == [Publish]
+        return actions[0]
+
+
+def _replace(view, **changes):
+    return dataclasses.replace(view, **changes)
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+# -- start ------------------------------------------------------------------------------------
+
+def test_start_spawns_a_worker_per_slot_with_its_tentative_membership():
+    world = World({"a": 2, "b": 1}, Limits(np=3, min_np=1))
+    actions = world.tick(0.0)
+    assert actions == [
+        Spawn("0", "a", 0, {"worker_id": "0", "host": "a", "rank": 0, "size": 3, "local_rank": 0,
+                            "local_size": 2, "cross_rank": 0, "cross_size": 2}),
+        Spawn("1", "a", 1, {"worker_id": "1", "host": "a", "rank": 1, "size": 3, "local_rank": 1,
+                            "local_size": 2, "cross_rank": 0, "cross_size": 1}),
+        Spawn("2", "b", 0, {"worker_id": "2", "host": "b", "rank": 2, "size": 3, "local_rank": 0,
+                            "local_size": 1, "cross_rank": 1, "cross_size": 2}),
+    ]
+    assert world.job.phase is Phase.STARTING and world.job.next_worker == 3
+
+
+def test_start_waits_for_workers_importing_torch_then_publishes_round_1():
+    world = World({"a": 2})
+    world.tick(0.0)
+    assert world.tick(1.0) == []                      # both still starting
+    world.ready("0")
+    assert world.tick(2.0) == []                      # one still starting: not a shortage
+    world.ready("1")
+    (publish,) = world.tick(3.0)
+    assert publish.round_id == 1 and publish.change == "start"
+    assert [m["worker_id"] for m in publish.members] == ["0", "1"]
+    assert world.job.phase is Phase.RUNNING and world.job.host_order == ("a",)
+
+
+def test_start_with_too_few_slots_waits_then_fails_after_the_elastic_timeout():
+    world = World({"a": 1}, Limits(np=2, min_np=2, elastic_timeout=10))
+    assert world.tick(0.0) == [MarkShort(0.0)]        # no worker is started below -np
+    assert world.tick(5.0) == []
+    assert world.tick(10.5) == [Fail("only 1 of the 2 slots needed to start became available "
+                                     "within --elastic-timeout 10 s")]
+
+
+def test_start_with_fewer_ready_workers_than_min_np_is_a_shortage():
+    world = World({"a": 2}, Limits(np=2, min_np=2, elastic_timeout=100))
+    world.tick(0.0)
+    world.ready("0")
+    world.workers["1"] = _replace(world.workers["1"], started=-JOIN_BATCH_S)  # gave up waiting
+    assert world.tick(1.0) == [MarkShort(1.0)]
+
+
+def test_start_below_min_np_slots_after_spawning_is_a_shortage():
+    world = World({"a": 2}, Limits(np=2, min_np=1))
+    world.tick(0.0)
+    world.hosts.update({}, 1.0)                       # the host went away again
+    assert kinds(world.tick(1.0)) == ["Stop", "Stop", "MarkShort"]
+
+
+# -- growth -----------------------------------------------------------------------------------
+
+def test_growth_spawns_newcomers_then_batches_them_into_one_new_round():
+    world = World({"a": 2}, Limits(np=2, min_np=1, max_np=8))
+    world.running()
+    world.hosts.update({"a": 2, "b": 2}, 2.0)
+    actions = world.tick(2.0)
+    assert kinds(actions) == ["Spawn", "Spawn"]
+    assert [(a.host, a.assignment["rank"]) for a in actions] == [("b", 2), ("b", 3)]
+    world.ready("2")
+    assert world.tick(3.0) == []                      # worker 3 still imports torch
+    world.ready("3")
+    (publish,) = world.tick(4.0)
+    assert publish.round_id == 2 and publish.change == "+2 on b"
+    assert world.job.resets == 1
+
+
+def test_growth_beyond_max_np_is_not_spawned():
+    world = World({"a": 2}, Limits(np=2, min_np=1, max_np=2))
+    world.running()
+    world.hosts.update({"a": 2, "b": 2}, 2.0)
+    assert world.tick(2.0) == []
+
+
+def test_reset_limit_fails_the_job_at_the_round_that_exceeds_it():
+    world = World({"a": 2}, Limits(np=2, min_np=1, reset_limit=0))
+    world.running()
+    world.hosts.update({"a": 2, "b": 1}, 2.0)
+    world.tick(2.0)
+    world.ready()
+    assert world.tick(3.0) == [Fail("reset limit 0 reached; membership changed too often")]
+
+
+# -- crash ------------------------------------------------------------------------------------
+
+def test_a_crash_blacklists_the_host_aborts_the_round_and_reforms_with_the_survivors():
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1))
+    world.running()
+    world.exit("1", 1)
+    actions = world.tick(2.0)
+    assert actions[:4] == [RecordExit("1", 1, final=False),
+                           HostFailed("1", "b", "worker 1 on b exited with code 1"),
+                           Abort(1), Reform()]
+    publish = actions[4]
+    assert isinstance(publish, Publish) and publish.change == "-1 on b"
+    assert [m["worker_id"] for m in publish.members] == ["0"]
+    assert world.job.failed_exits == {"1": 1} and world.job.last_failure.startswith("worker 1")
+
+
+def test_a_crash_stops_the_other_workers_on_the_same_host():
+    world = World({"a": 2, "b": 1}, Limits(np=3, min_np=1))
+    world.running()
+    world.exit("0", -9)
+    actions = world.tick(2.0)
+    assert actions[:5] == [RecordExit("0", -9, final=False),
+                           HostFailed("0", "a", "worker 0 on a exited with code -9"),
+                           Stop("1"), Abort(1), Reform()]
+    assert [m["worker_id"] for m in actions[5].members] == ["2"]
+
+
+def test_after_a_crash_too_few_workers_is_a_shortage_that_fails_after_the_timeout():
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=2, elastic_timeout=10))
+    world.running()
+    world.exit("1", 1)
+    actions = world.tick(2.0)
+    assert kinds(actions) == ["RecordExit", "HostFailed", "Abort", "Reform", "MarkShort"]
+    assert world.job.phase is Phase.REFORMING
+    assert world.tick(13.0) == [Fail("only 1 of the 2 slots needed to continue became available "
+                                     "within --elastic-timeout 10 s")]
+
+
+def test_every_host_blacklisted_for_good_fails_at_once_naming_the_last_failure():
+    world = World({"a": 1}, Limits(np=1, min_np=1))
+    world.tick(0.0)
+    world.exit("0", 3)                                 # crashed at import
+    assert world.tick(1.0) == [
+        RecordExit("0", 3, final=False), HostFailed("0", "a", "worker 0 on a exited with code 3"),
+        MarkShort(1.0), Fail("every host is blacklisted; no slots left to run on "
+                             "(last failure: worker 0 on a exited with code 3)")]
+
+
+def test_with_a_cooldown_a_blacklisted_host_is_waited_for():
+    world = World({"a": 1}, Limits(np=1, min_np=1, elastic_timeout=100), cooldown=(10, 10))
+    world.tick(0.0)
+    world.exit("0", 3)
+    assert Fail not in map(type, world.tick(1.0))      # the host returns at 11 s
+    assert world.tick(5.0) == []
+    assert world.tick(12.0) == [Spawn("1", "a", 0, {
+        "worker_id": "1", "host": "a", "rank": 0, "size": 1, "local_rank": 0, "local_size": 1,
+        "cross_rank": 0, "cross_size": 1})]
+
+
+def test_when_no_round_member_is_left_the_job_fails():
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1), cooldown=(50, 50))
+    world.running()
+    world.exit("0", 1)
+    world.exit("1", 1)
+    actions = world.tick(2.0)
+    assert actions[-1] == Fail("all workers failed (round 1 has no survivor holding the "
+                               "training state)")
+
+
+# -- liveness ---------------------------------------------------------------------------------
+
+def test_a_silent_worker_is_evicted_and_its_host_blacklisted():
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1, worker_timeout=5))
+    world.running()
+    world.ready("0", at=9.0)
+    world.ready("1", at=3.0)
+    assert world.tick(7.5, liveness=True) == []
+    assert world.tick(8.5, liveness=False) == []       # counters not read: no decision
+    actions = world.tick(8.5, liveness=True)
+    assert actions[:5] == [Stop("1"), Evict("1", "b"),
+                           HostFailed("1", "b", "worker 1 on b sent no heartbeat for 5 s; evicted"),
+                           Stop("1"), Abort(1)]
+
+
+def test_a_worker_that_never_starts_is_evicted_after_the_startup_timeout():
+    limits = Limits(np=1, min_np=1, worker_timeout=1)
+    world = World({"a": 1}, limits)
+    world.running()
+    world.hosts.update({"a": 1, "b": 1}, 2.0)
+    world.tick(2.0)                                    # spawns worker 1 on b
+    world.ready("0", at=2.0 + limits.startup_timeout)
+    assert world.tick(2.0 + limits.startup_timeout, liveness=True) == []
+    actions = world.tick(2.5 + limits.startup_timeout, liveness=True)
+    assert actions[:3] == [Stop("1"), Evict("1", "b"), HostFailed(
+        "1", "b", "worker 1 on b did not start within 120 s; evicted")]
+
+
+def test_a_reported_collective_failure_reforms_the_round_after_a_grace_period():
+    world = World({"a": 1, "b": 1})
+    world.running()
+    world.reports = 1
+    assert world.tick(2.0) == [MarkFailureReport(2.0)]
+    assert world.tick(2.0 + FAILURE_REPORT_GRACE_S / 2) == []
+    actions = world.tick(2.0 + FAILURE_REPORT_GRACE_S)
+    assert actions[:3] == [Reform("round 1 reported a failed collective; re-forming it"),
+                           Abort(1), MarkFailureReport(None)]
+    assert isinstance(actions[3], Publish) and actions[3].change == ""   # same members again
+
+
+# -- removal ----------------------------------------------------------------------------------
+
+def test_a_removed_host_leaves_at_once_and_its_workers_exit_as_removed():
+    world = World({"a": 1, "b": 1})
+    world.running()
+    world.hosts.update({"a": 1}, 2.0)
+    (publish,) = world.tick(2.0)                       # no Stop: they leave at their next commit
+    assert publish.change == "-1 on b" and publish.round_id == 2
+    world.exit("1", 0)
+    assert world.tick(3.0) == [Removed("1", "b")]
+
+
+def test_a_never_admitted_worker_on_a_removed_host_is_stopped():
+    world = World({"a": 1}, Limits(np=1, min_np=1))
+    world.running()
+    world.hosts.update({"a": 1, "b": 1}, 2.0)
+    world.tick(2.0)                                    # spawns 1 on b, still starting
+    world.hosts.update({"a": 1}, 3.0)
+    assert world.tick(3.0) == [Stop("1")]
+
+
+# -- the final round --------------------------------------------------------------------------
+
+def test_the_final_round_finishes_when_all_its_workers_exit_0():
+    world = World({"a": 2, "b": 1}, Limits(np=2, min_np=1, max_np=2))
+    world.running()
+    world.hosts.update({"a": 2, "b": 1}, 1.5)
+    world.exit("0", 0, done_round=1)
+    actions = world.tick(2.0)
+    assert actions == [StartFinishing(1), RecordExit("0", 0, final=True)]
+    assert world.job.phase is Phase.FINISHING
+    world.exit("1", 0, done_round=1)
+    assert world.tick(3.0) == [RecordExit("1", 0, final=True), Finish(1, 2)]
+
+
+def test_finishing_stops_workers_outside_the_final_round():
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1))
+    world.running()
+    world.hosts.update({"a": 1, "b": 1, "c": 1}, 2.0)
+    world.tick(2.0)                                    # spawns 2 on c
+    world.exit("0", 0, done_round=1)
+    assert world.tick(3.0) == [StartFinishing(1), Stop("2"), RecordExit("0", 0, final=True)]
+    world.exit("2", -9)
+    assert world.tick(4.0) == []                       # stopped on purpose: nothing to say
+
+
+def test_a_final_worker_that_fails_fails_the_job_at_the_end():
+    world = World({"a": 1, "b": 1})
+    world.running()
+    world.exit("1", 2)                                 # failed before the others finished...
+    world.exit("0", 0, done_round=1)                   # ...in the round that turned out final
+    actions = world.tick(2.0)
+    assert actions[-1] == Fail("worker 1 exited with code 2 at the end of training")
+    assert StartFinishing(1) in actions
+
+
+def test_a_script_without_elastic_init_finishes_as_its_processes():
+    world = World({"a": 2})
+    world.tick(0.0)
+    world.exit("0", 0)                                 # never ready: never called elastic.init()
+    actions = world.tick(1.0)
+    assert actions == [StartFinishing(0, members=("1", "0")), RecordExit("0", 0, final=True)]
+    world.exit("1", 0)
+    assert world.tick(2.0) == [RecordExit("1", 0, final=True), Finish(0, 2)]
+
+
+# -- purity and bookkeeping -------------------------------------------------------------------
+
+def test_decide_changes_none_of_its_facts():
+    world = World({"a": 1, "b": 1})
+    world.running()
+    world.exit("1", 1)
+    facts = world.facts()
+    before = (copy.deepcopy(facts.hosts.__dict__), facts.job, dict(facts.workers))
+    first = decide(facts, 2.0)
+    assert (facts.hosts.__dict__, facts.job, dict(facts.workers)) == before
+    assert decide(facts, 2.0) == first                 # same facts, same decisions
+
+
+def test_evolve_tracks_rounds_resets_and_host_order():
+    job = evolve(Job(), Publish(1, ({"worker_id": "0", "host": "a"},
+                                    {"worker_id": "1", "host": "b"}), "start"))
+    job = evolve(job, Publish(2, ({"worker_id": "1", "host": "b"},
+                                  {"worker_id": "2", "host": "c"}), "-1 on a, +1 on c"))
+    assert job.round_id == 2 and job.resets == 1 and job.host_order == ("b", "c")
+    assert job.rounds == {1: ("0", "1"), 2: ("1", "2")}
+    assert evolve(job, Reform()).phase is Phase.REFORMING
+    finishing = evolve(job, StartFinishing(2))
+    assert evolve(finishing, Reform()).phase is Phase.FINISHING
