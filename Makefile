@@ -44,9 +44,10 @@ demo: install
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py
 
-lint: install
+# Needs only a Python with pip: the venv and ruff are created here if missing.
+lint: $(STAMP)
 	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check elastic tests examples benchmarks
+	$(PY) -m ruff check elastic tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

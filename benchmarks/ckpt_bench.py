@@ -80,7 +80,7 @@ def dd(directory, count):
 
 
 def state_bytes(state):
-    return sum(b.numel() * b.element_size() for b in state._snapshot.buffers)
+    return sum(b.numel() * b.element_size() for b in state.snapshot.buffers)
 
 
 def main():
@@ -100,10 +100,10 @@ def main():
     real_after, real_before = ck.after_commit, ck.before_save
 
     def after_commit(st):
-        busy = ck._busy
+        busy = ck.writing
         t0 = now()
         real_after(st)
-        if ck._busy and not busy:
+        if ck.writing and not busy:
             handoff.append(now() - t0)
 
     def before_save(st):
@@ -166,9 +166,9 @@ def main():
             (due_cpu if name == "due" else plain_cpu).append(time.thread_time() - c0)
             (due_s if name == "due" else plain_s).append(t)
             if name == "due":
-                busy = ck._busy
+                busy = ck.writing
                 step_write_s.append(timed(step) if busy else None)     # the writer runs
-                next_s.append(timed(state.commit) if ck._busy else None)
+                next_s.append(timed(state.commit) if ck.writing else None)
     ck.wait()
     swapped = ck.stats["swapped_commits"]
     deferred = ck.stats["deferred"]
@@ -177,7 +177,7 @@ def main():
     # What the writer's hashing alone costs on this CPU: sha256 of the same buffers.
     from elastic.checkpoint.format import sha256_hex
     from elastic.checkpoint.writer import byte_view
-    hash_s = [timed(lambda: [sha256_hex(byte_view(b)) for b in state._snapshot.buffers])
+    hash_s = [timed(lambda: [sha256_hex(byte_view(b)) for b in state.snapshot.buffers])
               for _ in range(3)]
 
     # -- bytes: half the parameters frozen --------------------------------------------------

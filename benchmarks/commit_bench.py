@@ -76,7 +76,7 @@ def main():
             t0 = now()
             sides[name]()
             times[name].append(now() - t0)
-    snap = state._snapshot.nbytes()
+    snap = state.snapshot.nbytes()
     saved[:] = [None, None]
     restore_s = []
     for _ in range(3):  # what a survivor pays after a failure, before it rejoins

@@ -159,7 +159,7 @@ def launch(script, n, args=(), timeout=240, env=None):
                     p.kill()
                     p.wait()
         logs = []
-        for p, err in procs:
+        for _p, err in procs:
             err.seek(0)
             logs.append(err.read())
             err.close()

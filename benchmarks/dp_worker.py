@@ -63,7 +63,7 @@ def steady(res, o):
         opt_d = sgd(ddp)
         batches = [common.batch_for(kind, batch, 1000 * rank + i) for i in range(4)]
 
-        def runner(model, opt):
+        def runner(model, opt, batches=batches):
             def run(n):
                 for i in range(n):
                     x, y = batches[i % len(batches)]
@@ -75,8 +75,8 @@ def steady(res, o):
         sides = {"elastic": runner(m_e, opt_e), "ddp": runner(ddp, opt_d)}
         fp16 = runner(m_f, opt_f)
         fp16(1)
-        for run in sides.values():
-            run(3)  # warm-up: buckets, gloo connections, allocator
+        for warm in sides.values():
+            warm(3)  # warm-up: buckets, gloo connections, allocator
         times = {k: [] for k in sides}
         for rep in range(int(o.get(f"reps_{kind}", reps))):
             order = ["elastic", "ddp"] if rep % 2 == 0 else ["ddp", "elastic"]
@@ -186,7 +186,7 @@ def sync(res, o):
     state = fresh()
     one_step(state.model, state.optimizer, "mlp")   # Adam state exists on every rank
     state.commit()
-    nbytes = state._snapshot.nbytes()
+    nbytes = state.snapshot.nbytes()
     buf = torch.full((nbytes // 4,), float(rank))
     raw_broadcast_s(buf)                            # warm the path once
     sync_s, bcast_s, fresh_s, parts = [], [], [], []
@@ -229,7 +229,7 @@ def scan(res, o):
     for k in sizes:
         reps = 2 if k >= 100 else 3
 
-        def fresh():
+        def fresh(k=k):
             model = common.blocks(k)
             return TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), step=0)
         state = fresh()
@@ -245,7 +245,7 @@ def scan(res, o):
             mine, dt, _ph = newcomer_sync_s(state, fresh, phases)
             sync_s.append(dt)
             del mine
-        out[k] = {"bytes": state._snapshot.nbytes(), "commit_s": commit_s, "sync_s": sync_s}
+        out[k] = {"bytes": state.snapshot.nbytes(), "commit_s": commit_s, "sync_s": sync_s}
         del state
         gc.collect()
     res["scan"] = out
@@ -288,7 +288,7 @@ def growth(res, o):
     for _ in range(reps):
         _mine, dt, _ph = newcomer_sync_s(state, fresh, phases)
         sync_s.append(dt)
-    res["growth"] = {"size": elastic.size(), "bytes": state._snapshot.nbytes(), "step_s": step_s,
+    res["growth"] = {"size": elastic.size(), "bytes": state.snapshot.nbytes(), "step_s": step_s,
                      "commit_s": commit_s, "sync_s": sync_s}
 
 

@@ -333,7 +333,7 @@ RECOVERY = {}
 @section("recovery: elasticrun SIGKILL")
 def bench_recovery():
     times, details = [], []
-    for rep in range(2 if QUICK else 3):
+    for _rep in range(2 if QUICK else 3):
         with Job(["-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2"],
                  env={"BENCH_KILL": "40:3", "BENCH_STEP_SLEEP": "0.01"}) as job:
             rec, detail = one_recovery(job)

@@ -1,11 +1,16 @@
-"""Exceptions that steer the elastic run loop.
+"""The root of every error elastic raises, and the exceptions that steer the run loop.
 
-They mirror Horovod's so that ported scripts keep their ``except`` clauses.
+WorkersDepartedError and HostsUpdatedInterrupt mirror Horovod's so that ported
+scripts keep their ``except`` clauses. Other errors live next to the code that
+raises them and derive from ElasticError too: ControlError (protocol.py),
+CheckpointError and its kinds (checkpoint/), LaunchError (launching/client.py),
+and the driver's DiscoveryError, UsageError, JobFailed and Interrupted
+(runner/). tests/test_structure.py checks that none is left outside the tree.
 """
 
 
 class ElasticError(RuntimeError):
-    """Base class for errors raised by elastic itself."""
+    """Base class for every error raised by elastic itself."""
 
 
 class WorkersDepartedError(ElasticError):
@@ -26,6 +31,3 @@ class HostsUpdatedInterrupt(ElasticError):
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
 
-
-class FencedError(ElasticError):
-    """This worker belongs to a round that is over; it must not take part."""

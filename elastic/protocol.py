@@ -11,6 +11,8 @@ steers the job (plans, registrations) carries an HMAC bound to its key.
 Values are JSON, never pickles: nothing reachable from the network unpickles.
 """
 
+from __future__ import annotations
+
 import hashlib
 import hmac
 import json

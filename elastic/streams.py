@@ -4,6 +4,8 @@
 reads JSON-lines files such as the event log.
 """
 
+from __future__ import annotations
+
 import json
 import os
 from collections.abc import Callable

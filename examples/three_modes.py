@@ -170,9 +170,9 @@ def run_job(mode, args, workdir):
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         if mode != "fixed":
             for after, size in SCHEDULE[1:]:
-                wait_for(proc, run_dir, lambda log: any(r["step"] >= after for r in log))
+                wait_for(proc, run_dir, lambda log, after=after: any(r["step"] >= after for r in log))
                 set_hosts(size)
-                if not wait_for(proc, run_dir, lambda log: any(
+                if not wait_for(proc, run_dir, lambda log, after=after, size=size: any(
                         r["step"] > after and r["size"] == size for r in log), timeout=120):
                     open(os.path.join(run_dir, f"go.{after}"), "w").close()   # never hang
         code = proc.wait(timeout=600)

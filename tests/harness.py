@@ -77,7 +77,7 @@ def run_workers(script_path, n, timeout=120, extra_env=None, args=()):
                     p.kill()
                     p.wait()
         results = []
-        for r, (p, (out, err)) in enumerate(zip(procs, logs)):
+        for p, (out, err) in zip(procs, logs):
             out.seek(0)
             err.seek(0)
             results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))

@@ -87,8 +87,11 @@ class Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
             raise AssertionError(f"job hung:\n{self.output()[-4000:]}") from None
         finally:
-            self._log.close()
+            self.close_log()
         return code
+
+    def close_log(self):
+        self._log.close()
 
     def run(self, timeout=DEADLINE_S):
         self.start()

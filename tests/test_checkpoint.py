@@ -252,7 +252,7 @@ def test_a_new_state_resumes_from_the_newest_checkpoint(tmp_path):
 def test_a_commit_never_waits_for_the_writer_nor_overwrites_what_it_reads(tmp_path):
     model, optimizer, sampler = _build(width=256)      # 256 KB weights: blobs of their own
     ck = Checkpointer(tmp_path, every_commits=1)
-    ck._hold_s = 1.0                      # the writer reads the big buffers only after 1 s
+    ck.test_hold_s = 1.0                      # the writer reads the big buffers only after 1 s
     state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, step=0)
     state.sync()
     with torch.no_grad():
@@ -264,9 +264,9 @@ def test_a_commit_never_waits_for_the_writer_nor_overwrites_what_it_reads(tmp_pa
     state.commit()                          # version 2: into spare buffers, no waiting
     assert time.monotonic() - began < 0.5
     assert ck.stats["swapped_commits"] == 1 and ck.stats["deferred"] == 1
-    assert float(state._snapshot.materialize()["model"]["0.weight"].mean()) == 2.0
+    assert float(state.snapshot.materialize()["model"]["0.weight"].mean()) == 2.0
     assert ck.wait(30)
-    ck._hold_s = 0.0
+    ck.test_hold_s = 0.0
     with torch.no_grad():
         model[0].weight.fill_(3.0)
     state.commit()                          # version 3: reuses the spares, no allocation
@@ -333,19 +333,19 @@ def test_arguments_and_the_environment_default(tmp_path, monkeypatch):
     ck = Checkpointer(tmp_path)
     assert (ck.every_commits, ck.every_seconds, ck.keep) == (10, 60.0, 3)
     assert Checkpointer(tmp_path, every_seconds=5).every_commits is None
-    assert resolve(None) is None and TorchState()._checkpoint is None
+    assert resolve(None) is None and TorchState().checkpointer is None
     monkeypatch.setenv("ELASTIC_CHECKPOINT_DIR", str(tmp_path / "env"))
-    assert TorchState()._checkpoint.directory == str(tmp_path / "env")
-    assert TorchState(elastic_checkpoint=False)._checkpoint is None
-    assert TorchState(elastic_checkpoint=ck)._checkpoint is ck
+    assert TorchState().checkpointer.directory == str(tmp_path / "env")
+    assert TorchState(elastic_checkpoint=False).checkpointer is None
+    assert TorchState(elastic_checkpoint=ck).checkpointer is ck
     with pytest.raises(TypeError):
         TorchState(elastic_checkpoint=3)
     # checkpoint= is the user's own name (a Horovod script may use it) ...
     mine = TorchState(checkpoint=False)
-    assert mine.checkpoint is False and mine._checkpoint.directory == str(tmp_path / "env")
+    assert mine.checkpoint is False and mine.checkpointer.directory == str(tmp_path / "env")
     # ... except that a Checkpointer there is still taken as the option, with a warning.
     with pytest.warns(DeprecationWarning, match="elastic_checkpoint"):
-        assert TorchState(checkpoint=ck)._checkpoint is ck
+        assert TorchState(checkpoint=ck).checkpointer is ck
     assert elastic.Checkpointer is Checkpointer
 
 
@@ -460,7 +460,7 @@ def test_sigkill_during_a_checkpoint_write_never_loads_a_partial_one(tmp_path, u
     temps = [n for n in os.listdir(ckpt) + os.listdir(ckpt / "blobs") if n.endswith(".tmp")]
     assert temps, "the kill should have cut a write short"
     visible = store.list_checkpoints(str(ckpt))
-    for version, path in visible:             # whatever is visible is complete
+    for _version, path in visible:             # whatever is visible is complete
         store.read_checkpoint(str(ckpt), store.read_manifest(path))
     rerun = _job(tmp_path / "run2", 2, ckpt)
     finals = rerun.assert_ok(rerun.run(), epochs=6, samples=64, final_size=2)

@@ -1,4 +1,5 @@
-"""The collectives of the API (DESIGN §3) on two real gloo processes, and at size 1."""
+"""The collectives of the public API (README, "Python API") on two real gloo processes,
+and at size 1."""
 
 import json
 

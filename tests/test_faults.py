@@ -64,7 +64,7 @@ def reap_driver(job, timeout=60):
     try:
         return job.proc.wait(timeout)
     finally:
-        job._log.close()
+        job.close_log()
 
 
 def assert_no_worker_left(job, within=GONE_WITHIN_S):

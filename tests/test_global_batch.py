@@ -433,7 +433,7 @@ def test_gloo_uneven_and_empty_shares_match_one_process(tmp_path):
     spec = importlib.util.spec_from_file_location("gb_gloo_worker", script)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    for name, (g, micro, op) in worker.CONFIGS.items():
+    for name, (g, _micro, op) in worker.CONFIGS.items():
         expected, _ = worker.train(g, g, op, dist=False)   # one process, one micro-batch
         for r in range(3):
             assert results[r][name][0] == results[0][name][0], (name, r)

@@ -4,7 +4,6 @@ The jobs here are real: elasticrun runs as a child process and starts worker
 processes; localhost and 127.0.0.1 act as two hosts.
 """
 
-import importlib
 import json
 import os
 import pickle
@@ -15,9 +14,9 @@ import cloudpickle
 import pytest
 
 import elastic
+from elastic.launching import client as launch_module
 from elastic.launching.client import LaunchError, launch
 
-launch_module = importlib.import_module("elastic.launching.client")
 TWO_HOSTS = "localhost:1,127.0.0.1:1"
 
 
@@ -112,7 +111,7 @@ def test_bad_arguments_fail_before_anything_starts(monkeypatch):
 
 
 def test_keyword_arguments_become_elasticrun_flags():
-    flags = launch_module._elasticrun_flags(
+    flags = launch_module.elasticrun_flags(
         2, 1, 4, {"localhost": 2, "127.0.0.1": 1}, None,
         {"elastic_timeout": 5, "verbose": True, "log_level": None,
          "blacklist_cooldown_range": (1, 10), "ssh_option": ["A=b", "C=d"]})
@@ -120,7 +119,7 @@ def test_keyword_arguments_become_elasticrun_flags():
                      "-H", "localhost:2,127.0.0.1:1", "--elastic-timeout", "5", "--verbose",
                      "--blacklist-cooldown-range", "1", "10",
                      "--ssh-option", "A=b", "--ssh-option", "C=d"]
-    assert launch_module._elasticrun_flags(1, None, None, ["a:1", "b"], None, {}) == \
+    assert launch_module.elasticrun_flags(1, None, None, ["a:1", "b"], None, {}) == \
         ["-np", "1", "-H", "a:1,b"]
 
 
@@ -145,7 +144,7 @@ def test_only_the_final_rounds_results_count(tmp_path):
             {"worker_id": "1", "host": "localhost", "rank": 1}]},
         {"event": "round_started", "round": 2, "members": members},
         {"event": "job_finished", "round": 2, "size": 1}]) + "\n")
-    outcome = launch_module._Outcome(str(results), str(tmp_path / "logs"), str(events), [])
+    outcome = launch_module.Outcome(str(results), str(tmp_path / "logs"), str(events), [])
     assert outcome.results(0) == ["final-0"]
 
     # A rank of the final round without a result fails, naming its worker.
@@ -157,7 +156,7 @@ def test_only_the_final_rounds_results_count(tmp_path):
     logs.mkdir(parents=True)
     (logs / "stderr").write_text("line\n" * 50 + "KeyError: 'x'\n")
     with pytest.raises(LaunchError) as info:
-        launch_module._Outcome(str(results), str(tmp_path / "logs"), str(events),
+        launch_module.Outcome(str(results), str(tmp_path / "logs"), str(events),
                                ["elasticrun: worker 1 on localhost exited with code 1"]
                                ).results(0)
     text = str(info.value)
@@ -168,6 +167,6 @@ def test_only_the_final_rounds_results_count(tmp_path):
 
 
 def test_payload_file_is_private(tmp_path):
-    paths = launch_module._prepare(str(tmp_path), pickle.dumps({"sys_path": [], "call": b""}))
+    paths = launch_module.prepare_workdir(str(tmp_path), pickle.dumps({"sys_path": [], "call": b""}))
     assert os.stat(paths["payload"]).st_mode & 0o777 == 0o600
     assert os.stat(paths["results"]).st_mode & 0o777 == 0o700

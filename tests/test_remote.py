@@ -172,9 +172,10 @@ def test_the_secret_travels_in_the_spec_not_the_env():
 
 
 def test_ssh_exit_codes_say_what_they_mean():
-    proc = launcher.SshWorkerProcess("0", "h", popen=None, pumps=[], tail=[])
+    tail = []                # the last stderr line of ssh, kept by its output pump
+    proc = launcher.SshWorkerProcess("0", "h", popen=None, pumps=[], tail=tail)
     assert proc.describe_exit(255) == " (ssh failure)"
-    proc._tail.append("ssh: connect to host h port 22: Connection refused")
+    tail.append("ssh: connect to host h port 22: Connection refused")
     assert proc.describe_exit(255) == " (ssh failure: ssh: connect to host h port 22: " \
         "Connection refused)"
     assert "killed by SIGKILL" in proc.describe_exit(-9)

@@ -161,7 +161,7 @@ def test_a_worker_with_a_wrong_secret_cannot_join(tmp_path):
             assert time.monotonic() < deadline, "the intruder neither registered nor exited"
             time.sleep(0.1)
         assert intruder.poll() != 0, "an intruder must not end as if it had trained"
-        print("intruder", "exited with code %s" % intruder.returncode
+        print("intruder", f"exited with code {intruder.returncode}"
               if intruder.poll() is not None else "registered and waits for a round")
         job.release(3)
         code = job.finish()

@@ -131,7 +131,7 @@ def test_restore_does_not_alias_snapshot():
     _train(state, 2)
     state.commit()
     committed = _capture(state)
-    snapshot_ptrs = _storage_ptrs(state._snapshot.buffers)
+    snapshot_ptrs = _storage_ptrs(state.snapshot.buffers)
 
     for round_ in range(3):
         state.restore()

@@ -16,6 +16,8 @@ takes over its commit version; the others then receive it by the normal sync,
 whatever the world size.
 """
 
+from __future__ import annotations
+
 import atexit
 import logging
 import os
@@ -25,6 +27,7 @@ import time
 
 import torch
 
+from elastic import protocol
 from elastic.checkpoint import format as store
 from elastic.checkpoint.format import CheckpointError, CorruptCheckpoint, list_checkpoints  # noqa: F401
 from elastic.checkpoint.lock import (
@@ -35,7 +38,6 @@ from elastic.checkpoint.lock import (
     job_id,
 )
 from elastic.checkpoint.writer import write_checkpoint
-from elastic import protocol
 from elastic.protocol import env_float
 from elastic.worker import runtime
 
@@ -60,7 +62,8 @@ class Checkpointer:
     checkpoints are kept.
     """
 
-    def __init__(self, directory, every_commits=None, every_seconds=None, keep=3):
+    def __init__(self, directory: str | os.PathLike, every_commits: int | None = None,
+                 every_seconds: float | None = None, keep: int = 3):
         """``directory`` is created by the writer (0700). Environment: ELASTIC_CHECKPOINT_LOCK_WAIT
         (seconds to wait for a directory locked by another job, default 10: its killed
         workers may still be exiting); ELASTIC_CHECKPOINT_WRITE_TIMEOUT (default 600);
@@ -84,8 +87,8 @@ class Checkpointer:
         self.write_timeout_s = env_float(protocol.ENV_CHECKPOINT_WRITE_TIMEOUT, 600.0)
         self.retry_s = env_float(protocol.ENV_CHECKPOINT_RETRY, 5.0)
         # Test hooks: slow down phase 1 (while the buffers are read) / phase 2 (durability).
-        self._hold_s = env_float(protocol.ENV_CHECKPOINT_TEST_HOLD, 0.0)
-        self._delay_s = env_float(protocol.ENV_CHECKPOINT_TEST_DELAY, 0.0)
+        self.test_hold_s = env_float(protocol.ENV_CHECKPOINT_TEST_HOLD, 0.0)
+        self.test_delay_s = env_float(protocol.ENV_CHECKPOINT_TEST_DELAY, 0.0)
         self.resumed_from = None     # {"version", "path"} once a checkpoint was loaded
         self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
                       "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
@@ -113,7 +116,12 @@ class Checkpointer:
         self._atexit = None
 
     @property
-    def is_writer(self):
+    def writing(self) -> bool:
+        """A checkpoint is being written now."""
+        return self._busy
+
+    @property
+    def is_writer(self) -> bool:
         return self._lock.held
 
     # -- hooks called by State ------------------------------------------------------------
@@ -159,9 +167,9 @@ class Checkpointer:
         with self._mu:
             if not self._unread:
                 if self._retired:
-                    self._recycle(state._snapshot.buffers)
+                    self._recycle(state.snapshot.buffers)
                 return
-            buffers = state._snapshot.buffers
+            buffers = state.snapshot.buffers
             for i, buf in self._unread.items():
                 if i < len(buffers) and buffers[i] is buf:
                     key = (tuple(buf.shape), buf.dtype, buf.is_pinned())
@@ -200,7 +208,7 @@ class Checkpointer:
             self._submit(state)
 
     # -- public ---------------------------------------------------------------------------
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> bool:
         """Block until no checkpoint is being written; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -211,7 +219,7 @@ class Checkpointer:
                 self._cond.wait(left)
         return True
 
-    def close(self, final=True):
+    def close(self, final: bool = True) -> None:
         """Finish the write in flight, write the last commit if newer (``final``), unlock."""
         if self._atexit is not None:
             atexit.unregister(self._atexit)
@@ -221,7 +229,7 @@ class Checkpointer:
             self._try_acquire()
         if self._lock.held and self.wait(self.write_timeout_s):
             state = self._state
-            if final and state is not None and not state._snapshot.empty \
+            if final and state is not None and not state.snapshot.empty \
                     and state.commit_version > max(self._last_version, 0):
                 # On this thread: at exit, no new thread may be allowed to start.
                 self._write(self._job_of(state))
@@ -243,15 +251,13 @@ class Checkpointer:
             return
         version, tree, path = found
         self._last_version = max(self._last_version, version)
-        state.apply(tree)
-        state._version = version
-        state.save()
+        state.adopt(tree, version)
         self._since_commits, self._last_time = 0, time.monotonic()
         self.resumed_from = {"version": version, "path": path}
         log.info("resumed from checkpoint %s (commit %s)", path, version)
 
     def _submit(self, state):
-        snap = state._snapshot
+        snap = state.snapshot
         with self._cond:
             if self._busy:
                 self.stats["deferred"] += 1
@@ -271,7 +277,7 @@ class Checkpointer:
             self._cond.notify_all()
 
     def _job_of(self, state):
-        snap = state._snapshot
+        snap = state.snapshot
         return state.commit_version, snap.skeleton, list(snap.buffers), self._world_size
 
     def _writer(self):
@@ -296,7 +302,7 @@ class Checkpointer:
         try:
             result = write_checkpoint(
                 self.directory, version, skeleton, buffers, released=self._read,
-                info={"world_size": size}, hold_s=self._hold_s, delay_s=self._delay_s)
+                info={"world_size": size}, hold_s=self.test_hold_s, delay_s=self.test_delay_s)
             store.prune(self.directory, self.keep)
         except Exception as exc:  # noqa: BLE001 - training goes on; the next one retries
             self._failed(f"writing the checkpoint of commit {version}", exc)

@@ -24,10 +24,10 @@ from elastic.checkpoint.format import (
     BLOBS,
     FORMAT,
     SMALL_BYTES,
-    sha256_hex,
     blob_path,
     encode_manifest,
     manifest_path,
+    sha256_hex,
 )
 
 

@@ -11,6 +11,8 @@ directory). Workers on other hosts read and write it at the same path, so for a
 multi-host job put ``workdir`` on a filesystem they share.
 """
 
+from __future__ import annotations
+
 import argparse
 import collections
 import json
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import cloudpickle
 
@@ -62,9 +65,11 @@ class LaunchError(ElasticError):
         self.stderr_tail = stderr_tail
 
 
-def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
-           discovery_script=None, env=None, timeout=None, quiet=False, workdir=None,
-           **elasticrun_options):
+def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int = 1,
+           min_np: int | None = None, max_np: int | None = None,
+           hosts: str | list | dict | None = None, discovery_script: str | None = None,
+           env: dict | None = None, timeout: float | None = None, quiet: bool = False,
+           workdir: str | None = None, **elasticrun_options) -> list:
     """Run ``fn(*args, **kwargs)`` on every worker of an elastic job.
 
     Returns the values ``fn`` returned on the workers of the final round, as a
@@ -97,7 +102,7 @@ def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
     if env is not None and not all(isinstance(k, str) and isinstance(v, str)
                                    for k, v in dict(env).items()):
         raise TypeError("env must map str to str")
-    flags = _elasticrun_flags(np, min_np, max_np, hosts, discovery_script, elasticrun_options)
+    flags = elasticrun_flags(np, min_np, max_np, hosts, discovery_script, elasticrun_options)
     child_env = _child_env(env)
     _validate(flags)
     try:
@@ -111,7 +116,7 @@ def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
 
     tmp = tempfile.mkdtemp(prefix="elastic-launch-", dir=workdir)   # mode 0700
     try:
-        paths = _prepare(tmp, payload)
+        paths = prepare_workdir(tmp, payload)
         own_logs = "output_filename" not in elasticrun_options
         log_dir = os.path.join(tmp, "logs") if own_logs else elasticrun_options["output_filename"]
         event_log = elasticrun_options.get("event_log") or os.path.join(tmp, "events.jsonl")
@@ -123,7 +128,7 @@ def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
         argv += ["--", sys.executable, "-m", "elastic.launching.worker",
                  paths["payload"], paths["results"]]
         code, driver_log = _run(argv, child_env, timeout, quiet)
-        job = _Outcome(paths["results"], log_dir, event_log, driver_log)
+        job = Outcome(paths["results"], log_dir, event_log, driver_log)
         if code is None:
             raise job.error(f"timed out after {timeout:g} s; the job was stopped", None)
         return job.results(code)
@@ -133,7 +138,7 @@ def launch(fn, args=(), kwargs=None, np=1, min_np=None, max_np=None, hosts=None,
 
 # -- arguments ----------------------------------------------------------------------------
 
-def _elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
+def elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
     for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):
         if (value is not None or name == "np") and (
                 isinstance(value, bool) or not isinstance(value, int)):
@@ -214,7 +219,7 @@ def _sys_path():
     return [os.path.abspath(p or os.curdir) for p in sys.path]
 
 
-def _prepare(tmp, payload):
+def prepare_workdir(tmp, payload):
     path = os.path.join(tmp, "fn.pkl")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -293,7 +298,7 @@ def _terminate(proc):
 
 # -- results and errors -------------------------------------------------------------------
 
-class _Outcome:
+class Outcome:
     """What the finished job left behind: results, error records, logs, events."""
 
     def __init__(self, results_dir, log_dir, event_log, driver_log):

@@ -11,13 +11,14 @@ import shutil
 import sys
 
 from elastic import protocol
+from elastic.exceptions import ElasticError
 from elastic.runner import launcher, serve
 from elastic.runner.agent import run_agent
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
 from elastic.runner.driver import JobConfig, run_job
 
 
-class UsageError(Exception):
+class UsageError(ElasticError):
     pass
 
 

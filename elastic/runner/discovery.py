@@ -16,7 +16,9 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+
+from elastic.exceptions import ElasticError
 
 _MAX_MESSAGE = 300
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
@@ -33,14 +35,14 @@ def _one_line(text: str, limit: int = _MAX_MESSAGE, keep_tail: bool = False) -> 
     return "..." + text[3 - limit:] if keep_tail else text[: limit - 3] + "..."
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(ElasticError):
     """A discovery failure whose str() is a single line fit for a user log."""
 
     def __init__(self, message: str):
         super().__init__(_one_line(message))
 
 
-def _check_default_slots(default_slots: Optional[int]) -> int:
+def _check_default_slots(default_slots: int | None) -> int:
     if default_slots is not None and (type(default_slots) is not int or default_slots < 1):
         raise ValueError(f"default_slots must be an integer >= 1, got {default_slots!r}")
     return 1 if default_slots is None else default_slots
@@ -53,7 +55,7 @@ def _parse_slots(text: str) -> int:
     return int(text)
 
 
-def _parse_entry(entry: str, default_slots: int) -> Tuple[str, str, int]:
+def _parse_entry(entry: str, default_slots: int) -> tuple[str, str, int]:
     """``host[:slots]`` -> (host, duplicate key, slots); ValueError(reason)."""
     if any(c.isspace() for c in entry):
         raise ValueError("whitespace inside host entry")
@@ -84,9 +86,9 @@ def _parse_entry(entry: str, default_slots: int) -> Tuple[str, str, int]:
     return host, host.lower(), slots  # DNS names are case-insensitive
 
 
-def _parse_entries(items, default_slots, source: str, unit: str) -> Dict[str, int]:
+def _parse_entries(items, default_slots, source: str, unit: str) -> dict[str, int]:
     slots_default = _check_default_slots(default_slots)
-    hosts: Dict[str, int] = {}
+    hosts: dict[str, int] = {}
     keys = set()
     for number, entry in items:
         try:
@@ -101,8 +103,8 @@ def _parse_entries(items, default_slots, source: str, unit: str) -> Dict[str, in
     return hosts
 
 
-def parse_hosts(text: str, default_slots: Optional[int] = None,
-                source: str = "discovery script") -> Dict[str, int]:
+def parse_hosts(text: str, default_slots: int | None = None,
+                source: str = "discovery script") -> dict[str, int]:
     """Parse one ``host`` or ``host:slots`` per line; ``#`` starts a comment.
 
     No hosts returns ``{}``: a cluster may shrink to nothing; the driver decides.
@@ -111,7 +113,7 @@ def parse_hosts(text: str, default_slots: Optional[int] = None,
     return _parse_entries(((n, e) for n, e in lines if e), default_slots, source, "line")
 
 
-def parse_host_list(arg: str) -> Dict[str, int]:
+def parse_host_list(arg: str) -> dict[str, int]:
     """Parse the ``-H host1:2,host2,[::1]:3`` flag (one slot by default)."""
     if not arg.strip():
         raise DiscoveryError("-H: no hosts given")
@@ -122,20 +124,20 @@ def parse_host_list(arg: str) -> Dict[str, int]:
 class Discovery:
     """Interface: ``discover()`` returns the current ``{host: slots}``."""
 
-    def discover(self) -> Dict[str, int]:
+    def discover(self) -> dict[str, int]:
         raise NotImplementedError
 
-    def run_once(self) -> Dict[str, int]:
+    def run_once(self) -> dict[str, int]:
         return self.discover()
 
 
 class FixedDiscovery(Discovery):
     """A static host set, e.g. from ``-H``."""
 
-    def __init__(self, hosts: Dict[str, int]):
+    def __init__(self, hosts: dict[str, int]):
         self._hosts = dict(hosts)
 
-    def discover(self) -> Dict[str, int]:
+    def discover(self) -> dict[str, int]:
         return dict(self._hosts)  # a copy: callers cannot alter later results
 
 
@@ -146,8 +148,8 @@ class ScriptDiscovery(Discovery):
     a grandchild holding our pipe open must not hang the driver.
     """
 
-    def __init__(self, path, default_slots: Optional[int] = None,
-                 timeout: Optional[float] = 30.0):
+    def __init__(self, path, default_slots: int | None = None,
+                 timeout: float | None = 30.0):
         self.path = os.fspath(path)
         self.default_slots = default_slots
         _check_default_slots(default_slots)
@@ -164,7 +166,7 @@ class ScriptDiscovery(Discovery):
         if not os.access(self.path, os.X_OK):
             raise DiscoveryError(f"discovery script is not executable: {self.path} (try chmod +x)")
 
-    def discover(self) -> Dict[str, int]:
+    def discover(self) -> dict[str, int]:
         self.validate()
         name = f"discovery script {self.path}"
         try:
@@ -217,8 +219,8 @@ class ScriptDiscovery(Discovery):
 class DiscoveryResult:
     """One discovery attempt: exactly one of ``hosts``/``error`` is set."""
 
-    hosts: Optional[Dict[str, int]]
-    error: Optional[str]
+    hosts: dict[str, int] | None
+    error: str | None
     at: float
 
 
@@ -239,7 +241,7 @@ class BackgroundDiscovery:
         self._clock = clock
         self._results: collections.deque = collections.deque(maxlen=max_pending)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._thread is not None:
@@ -256,7 +258,7 @@ class BackgroundDiscovery:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def poll(self) -> List[DiscoveryResult]:
+    def poll(self) -> list[DiscoveryResult]:
         """Return, without blocking, all results since the previous poll."""
         results = []
         while True:

@@ -16,11 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 from elastic import protocol as control
+from elastic.exceptions import ElasticError
 from elastic.protocol import ControlStore, Keys
 from elastic.runner import launcher
-from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
-from elastic.runner.events import EventLog, RoundReporter
-from elastic.runner.hosts import HostManager
 from elastic.runner.decisions import (
     Abort,
     Evict,
@@ -40,6 +38,9 @@ from elastic.runner.decisions import (
     WorkerView,
     evolve,
 )
+from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
+from elastic.runner.events import EventLog, RoundReporter
+from elastic.runner.hosts import HostManager
 from elastic.runner.policy import decide
 
 log = logging.getLogger("elasticrun")
@@ -47,11 +48,13 @@ TICK_S = 0.05
 HEARTBEAT_CHECK_S = 0.5     # heartbeat counters are read this often
 
 
-class JobFailed(Exception):
+class JobFailed(ElasticError):
     """The job cannot go on; str() is the one line the user sees."""
 
 
-class Interrupted(Exception):
+class Interrupted(ElasticError):
+    """elasticrun got SIGINT or SIGTERM; its workers are stopped on the way out."""
+
     def __init__(self, signum):
         super().__init__(signum)
         self.exit_code = 128 + signum

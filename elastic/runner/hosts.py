@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Dict, Iterable, Optional, Tuple
+from collections.abc import Iterable
 
 __all__ = ["HostChanges", "HostManager"]
 
@@ -18,9 +18,9 @@ __all__ = ["HostChanges", "HostManager"]
 class HostChanges:
     """Difference between two successive available host sets."""
 
-    added: Tuple[str, ...] = ()
-    removed: Tuple[str, ...] = ()
-    changed: Tuple[str, ...] = ()  # still present, different slot count
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # still present, different slot count
 
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.changed)
@@ -41,8 +41,8 @@ class HostManager:
     between hosts for no reason.
     """
 
-    def __init__(self, cooldown_range: Optional[Tuple[float, float]] = None,
-                 rng: Optional[random.Random] = None):
+    def __init__(self, cooldown_range: tuple[float, float] | None = None,
+                 rng: random.Random | None = None):
         if cooldown_range is not None:
             lo, hi = cooldown_range
             if not (0 <= lo <= hi) or math.isinf(hi):
@@ -51,17 +51,17 @@ class HostManager:
             cooldown_range = (float(lo), float(hi))
         self._cooldown = cooldown_range
         self._rng = rng
-        self._seen: Dict[str, None] = {}  # insertion order = first seen
-        self._discovered: Dict[str, int] = {}
-        self._failures: Dict[str, int] = {}
+        self._seen: dict[str, None] = {}  # insertion order = first seen
+        self._discovered: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
         # host -> time it may return (inf = never).  Expired entries stay
         # until returning() reports them, so no restoration goes unlogged.
-        self._until: Dict[str, float] = {}
-        self._last_available: Dict[str, int] = {}
+        self._until: dict[str, float] = {}
+        self._last_available: dict[str, int] = {}
 
     # -- discovery ---------------------------------------------------------
 
-    def update(self, discovered: Dict[str, int], now: float) -> HostChanges:
+    def update(self, discovered: dict[str, int], now: float) -> HostChanges:
         """Record a discovery result; report changes to the available set.
 
         The comparison is against the available set at the previous update,
@@ -82,11 +82,11 @@ class HostManager:
             changed=tuple(h for h in current if h in previous and previous[h] != current[h]),
         )
 
-    def discovered(self) -> Dict[str, int]:
+    def discovered(self) -> dict[str, int]:
         """The last discovered set (blacklisted hosts included), first-seen order."""
         return {h: self._discovered[h] for h in self._ordered(self._discovered)}
 
-    def available(self, now: float) -> Dict[str, int]:
+    def available(self, now: float) -> dict[str, int]:
         """Discovered hosts that are not currently blacklisted, first-seen order."""
         return {h: self._discovered[h] for h in self._ordered(self._discovered)
                 if not self.is_blacklisted(h, now)}
@@ -123,11 +123,11 @@ class HostManager:
     def is_blacklisted(self, host: str, now: float) -> bool:
         return self._until.get(host, -math.inf) > now
 
-    def blacklisted(self, now: float) -> Tuple[str, ...]:
+    def blacklisted(self, now: float) -> tuple[str, ...]:
         """Hosts barred at ``now`` (discovered or not), first-seen order."""
         return tuple(h for h in self._ordered(self._until) if self.is_blacklisted(h, now))
 
-    def returning(self, now: float) -> Tuple[str, ...]:
+    def returning(self, now: float) -> tuple[str, ...]:
         """Discovered hosts whose cooldown expired since the previous call.
 
         Each restoration is reported once, so the driver can log it.  Hosts
@@ -144,7 +144,7 @@ class HostManager:
         return bool(self._discovered) and all(
             self.is_blacklisted(h, now) for h in self._discovered)
 
-    def next_return_time(self, now: Optional[float] = None) -> Optional[float]:
+    def next_return_time(self, now: float | None = None) -> float | None:
         """Earliest time a blacklisted host comes back; None if none ever will.
 
         Pass ``now`` to ignore cooldowns that already expired.

@@ -3,7 +3,8 @@
 A state is a tree of dicts, lists and tuples whose leaves are tensors or
 plain values. Snapshots keep one preallocated flat buffer per dtype, with a
 view per tensor, and copy into the views on every commit, because a fresh
-allocation pays for page faults (DESIGN §6). Transfers use the same per-dtype
+allocation pays for page faults (docs/architecture.md, "Why commits copy
+into preallocated buffers"). Transfers use the same per-dtype
 flat form, so a sync sends a snapshot's flats as they are.
 """
 

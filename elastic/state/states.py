@@ -7,6 +7,8 @@ nothing moves. Optimizer state is rebuilt from the sender's state_dict, never
 by a dummy step, so weight decay cannot nudge the weights.
 """
 
+from __future__ import annotations
+
 import copy
 import warnings
 
@@ -33,36 +35,54 @@ class State:
         self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0}
 
     # -- subclass hooks -----------------------------------------------------------
-    def capture(self):
+    def capture(self) -> dict:
         """The live state as a tree of tensors and picklable values."""
         raise NotImplementedError
 
-    def apply(self, tree):
+    def apply(self, tree: dict) -> None:
         """Load a tree produced by capture() into the live objects."""
         raise NotImplementedError
 
-    def reset(self):
+    def reset(self) -> None:
         """Adapt the live objects to a new membership (samplers re-split)."""
 
     # -- public API ---------------------------------------------------------------
-    def register_reset_callbacks(self, callbacks):
+    def register_reset_callbacks(self, callbacks: list) -> None:
         self._reset_callbacks.extend(callbacks)
 
-    def on_reset(self):
+    def on_reset(self) -> None:
         self.reset()
         for callback in self._reset_callbacks:
             callback()
 
     @property
-    def commit_version(self):
+    def commit_version(self) -> int:
+        """How many commits this state has made (or adopted); -1 before the first."""
         return self._version
 
-    def save(self):
+    @property
+    def snapshot(self) -> Snapshot:
+        """The last commit, in host memory: what restore() loads and a checkpoint writes."""
+        return self._snapshot
+
+    @property
+    def checkpointer(self):
+        """The elastic.Checkpointer writing this state, or None."""
+        return self._checkpoint
+
+    def adopt(self, tree: dict, version: int) -> None:
+        """Make ``tree`` (a capture(), e.g. a loaded checkpoint) the live state and the
+        commit numbered ``version``."""
+        self.apply(tree)
+        self._version = int(version)
+        self.save()
+
+    def save(self) -> None:
         if self._checkpoint is not None:
             self._checkpoint.before_save(self)   # the writer may still read the snapshot
         self._snapshot.save(self.capture())
 
-    def commit(self):
+    def commit(self) -> None:
         """Snapshot to host memory, then learn collectively whether a round is pending."""
         self.save()
         self._version = max(self._version, 0) + 1
@@ -70,11 +90,11 @@ class State:
             self._checkpoint.after_commit(self)
         self.check_host_updates()
 
-    def restore(self):
+    def restore(self) -> None:
         if not self._snapshot.empty:
             self.apply(self._snapshot.materialize())
 
-    def check_host_updates(self):
+    def check_host_updates(self) -> None:
         """One tiny collective, so every rank raises at the same commit."""
         w = runtime.worker()
         if w is None:
@@ -84,7 +104,7 @@ class State:
         if int(flag) > 0:
             raise HostsUpdatedInterrupt()
 
-    def sync(self):
+    def sync(self) -> None:
         """Bring every rank to the newest commit, moving bytes only where needed."""
         w = runtime.worker()
         if self._checkpoint is not None:

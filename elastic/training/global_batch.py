@@ -135,9 +135,9 @@ def iterate_global_batches(sampler, optimizer, micro_batch_size=None):
     number = 0
     while sampler.global_batches_left > 0:
         if runtime.worker() is not None and (runtime.rank(), runtime.size()) != (
-                sampler._rank, sampler._size):
+                sampler.rank, sampler.size):
             raise RuntimeError(
-                f"the sampler splits batches for rank {sampler._rank} of {sampler._size} but this "
+                f"the sampler splits batches for rank {sampler.rank} of {sampler.size} but this "
                 f"is rank {runtime.rank()} of {runtime.size()}: pass it to elastic.TorchState "
                 "so that membership changes reset it")
         start = sampler.processed_num
@@ -145,7 +145,7 @@ def iterate_global_batches(sampler, optimizer, micro_batch_size=None):
         share = sampler.share_of(global_indices)
         yield GlobalBatch(number, global_indices, share, micro_batch_size,
                           world_scale(optimizer) / g, optimizer)
-        if sampler.processed_num != min(sampler._len, start + g):
+        if sampler.processed_num != min(sampler.length, start + g):
             raise RuntimeError("call sampler.record_global_batch() once after each optimizer "
                                "step of global-batch mode, before the next batch")
         number += 1

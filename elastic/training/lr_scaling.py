@@ -29,6 +29,7 @@ scaled lr is right even without the callback.
 """
 
 import math
+import weakref
 
 from elastic.worker import runtime
 
@@ -69,12 +70,15 @@ class LRScaler:
     :meth:`scaled_lrs` gives the lrs the optimizer actually uses.
     """
 
+    # optimizer -> its scaler: one per optimizer, without writing onto the user's object
+    _attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
     def __init__(self, optimizer, base_size, rule="linear", size_fn=None):
         self.base_size = int(base_size)
         self.rule = rule
         self._size_fn = size_fn or runtime.size
         self._opt = _inner_optimizer(optimizer)
-        if getattr(self._opt, "_elastic_lr_scaler", None) is not None:
+        if self._opt in LRScaler._attached:
             raise RuntimeError("this optimizer already has an LRScaler; remove() it first")
         self.size = None
         self.factor = 1.0
@@ -82,7 +86,7 @@ class LRScaler:
         self._swapped = None   # [(group, unscaled, scaled)] while a step is running
         self._handles = [self._opt.register_step_pre_hook(self._before_step),
                          self._opt.register_step_post_hook(self._after_step)]
-        self._opt._elastic_lr_scaler = self
+        LRScaler._attached[self._opt] = self
 
     def update(self):
         """Read the current world size and recompute :attr:`factor`. Returns the factor."""
@@ -103,8 +107,8 @@ class LRScaler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if getattr(self._opt, "_elastic_lr_scaler", None) is self:
-            self._opt._elastic_lr_scaler = None
+        if LRScaler._attached.get(self._opt) is self:
+            del LRScaler._attached[self._opt]
 
     # -- hooks ---------------------------------------------------------------------------
     def _restore(self):

@@ -1,5 +1,7 @@
 """Progress reports from workers to the driver's console and event log."""
 
+from __future__ import annotations
+
 import time
 
 from elastic.worker import runtime
@@ -8,7 +10,7 @@ _MIN_INTERVAL_S = 0.5
 _last = [0.0]
 
 
-def report_progress(step=None, samples=None, **metrics):
+def report_progress(step: int | None = None, samples: int | None = None, **metrics) -> None:
     """Tell elasticrun how far training got; cheap enough to call every step.
 
     Only rank 0's reports are shown. Calls closer than 0.5 s apart are

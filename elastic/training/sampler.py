@@ -20,6 +20,8 @@ wrapping to the start of ``perm`` (or, with ``drop_last``, without the tail).
 See :mod:`elastic.global_batch` for the training loop.
 """
 
+from __future__ import annotations
+
 import importlib.util
 import math
 import random
@@ -136,26 +138,26 @@ class ElasticSampler(Sampler):
     # -- progress bookkeeping -------------------------------------------------
 
     @property
-    def processed_num(self):
+    def processed_num(self) -> int:
         """Global progress: the length of the consumed prefix of this epoch's permutation."""
         step = self.global_batch_size or self._size   # in global-batch mode _local counts batches
         return min(self._len, self.processed + self._local * step)
 
     @property
-    def remaining(self):
+    def remaining(self) -> int:
         """Samples of this epoch that no rank has consumed yet."""
         return self._len - self.processed_num
 
-    def record_batch(self, batch_idx, batch_size):
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Count a finished batch of ``batch_size`` samples. ``batch_idx`` is ignored
         and only kept so the call matches other samplers' API."""
         self._advance(int(batch_size))
 
-    def record_indices(self, indices):
+    def record_indices(self, indices) -> None:
         """Count a finished batch given by the indices it used."""
         self._advance(len(indices))
 
-    def record_global_batch(self):
+    def record_global_batch(self) -> None:
         """Count one finished global batch (an optimizer step) in global-batch mode.
 
         Call it after ``optimizer.step()`` and before ``state.commit()``, on every rank."""
@@ -165,7 +167,7 @@ class ElasticSampler(Sampler):
         self._local = min(self._local + 1, self._batches)
 
     @property
-    def global_batches_left(self):
+    def global_batches_left(self) -> int:
         """Global-batch mode: optimizer steps left in this epoch."""
         if not self.global_batch_size:
             raise RuntimeError("global_batches_left needs ElasticSampler(global_batch_size=...)")
@@ -189,7 +191,7 @@ class ElasticSampler(Sampler):
 
     # -- membership / epoch changes -------------------------------------------
 
-    def reset(self, rank=None, size=None):
+    def reset(self, rank: int | None = None, size: int | None = None) -> None:
         """Count local progress as global progress and split the rest among the current ranks.
 
         The framework calls this after every membership change. ``rank`` and ``size``
@@ -207,7 +209,7 @@ class ElasticSampler(Sampler):
         self._rank, self._size = rank, size
         self._recompute()
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """Switch to ``epoch``. A different epoch starts with no progress. The same
         epoch keeps its progress, so calling ``set_epoch(state.epoch)`` after a
         restore resumes mid-epoch and does not train on samples again."""
@@ -232,7 +234,7 @@ class ElasticSampler(Sampler):
             sd["head"] = list(self._head[1])
         return sd
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict) -> None:
         """Restore the progress in ``state_dict`` and split what is left among the
         current ranks. Seed and shuffle are restored as well, because the saved
         progress only makes sense with the same permutation.
@@ -346,7 +348,7 @@ class ElasticSampler(Sampler):
 
     # -- Sampler protocol ------------------------------------------------------
 
-    def get_indices(self, batch_idx, batch_size):
+    def get_indices(self, batch_idx: int, batch_size: int) -> list:
         """Return this rank's indices for batch ``batch_idx``, counted from the last reset.
         (In global-batch mode this slices the concatenation of this rank's shares.)"""
         start = int(batch_idx) * int(batch_size)

@@ -6,8 +6,11 @@ torch.distributed surfaces as WorkersDepartedError, which the run loop turns
 into restore-and-rejoin. Outside elasticrun (size 1) they are identities.
 """
 
+from __future__ import annotations
+
 import io
 import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +48,7 @@ def _group_for(w, tensor):
     return w.device_group if tensor.is_cuda else w.cpu_group
 
 
-def allreduce_async(tensor, op=Average):
+def allreduce_async(tensor: torch.Tensor, op: str = Average) -> tuple | None:
     """Start an in-place allreduce; returns a handle for synchronize(), or None at size 1."""
     w = _active_worker()
     if w is None:
@@ -56,7 +59,7 @@ def allreduce_async(tensor, op=Average):
     return (work, tensor, op, w.membership.size, w)
 
 
-def synchronize(handle):
+def synchronize(handle: tuple | None) -> None:
     if handle is None:
         return
     work, tensor, op, world, w = handle
@@ -68,17 +71,17 @@ def synchronize(handle):
             tensor.div_(world, rounding_mode="floor")
 
 
-def allreduce_(tensor, op=Average):
+def allreduce_(tensor: torch.Tensor, op: str = Average) -> torch.Tensor:
     synchronize(allreduce_async(tensor, op))
     return tensor
 
 
-def allreduce(tensor, op=Average):
+def allreduce(tensor: torch.Tensor, op: str = Average) -> torch.Tensor:
     """Out-of-place allreduce, as in Horovod."""
     return allreduce_(tensor.detach().clone(), op)
 
 
-def allgather(tensor):
+def allgather(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0 (first dims may differ)."""
     w = _active_worker()
     if w is None:
@@ -99,7 +102,7 @@ def allgather(tensor):
     return torch.cat([out[: int(n)] for out, n in zip(outputs, lengths)])
 
 
-def broadcast_(tensor, root_rank=0):
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0) -> torch.Tensor:
     w = _active_worker()
     if w is None:
         return tensor
@@ -111,11 +114,11 @@ def broadcast_(tensor, root_rank=0):
     return tensor
 
 
-def broadcast(tensor, root_rank=0):
+def broadcast(tensor: torch.Tensor, root_rank: int = 0) -> torch.Tensor:
     return broadcast_(tensor.detach().clone(), root_rank)
 
 
-def barrier():
+def barrier() -> None:
     allreduce_(torch.zeros(1), Sum)
 
 
@@ -125,7 +128,7 @@ def _to_bytes(obj):
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def broadcast_object(obj, root_rank=0):
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     """Pickle over the data plane, which, like torch.distributed's, is trusted."""
     w = _active_worker()
     if w is None:
@@ -139,7 +142,7 @@ def broadcast_object(obj, root_rank=0):
     return obj if is_root else pickle.loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj):
+def allgather_object(obj: Any) -> list:
     gathered = allgather(_to_bytes(obj))
     lengths = allgather(torch.tensor([_to_bytes(obj).numel()], dtype=torch.int64))
     out, offset = [], 0
@@ -149,20 +152,20 @@ def allgather_object(obj):
     return out
 
 
-def send(tensor, dst, tag=0):
+def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
     w = _active_worker()
     group = _group_for(w, tensor)
     wait(_issue(lambda: group.send([tensor], dst, tag), "send"), "send", w)
 
 
-def recv(tensor, src, tag=0):
+def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     w = _active_worker()
     group = _group_for(w, tensor)
     wait(_issue(lambda: group.recv([tensor], src, tag), "recv"), "recv", w)
     return tensor
 
 
-def broadcast_parameters(params, root_rank=0):
+def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
     """Accepts a state_dict, named_parameters() or a list of (name, tensor)."""
     items = params.items() if hasattr(params, "items") else params
     for _name, tensor in sorted(items, key=lambda kv: kv[0]):
@@ -171,7 +174,7 @@ def broadcast_parameters(params, root_rank=0):
                 broadcast_(tensor.data if hasattr(tensor, "data") else tensor, root_rank)
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Ship the root's state_dict; ranks without optimizer state get it created from it."""
     state = broadcast_object(optimizer.state_dict(), root_rank)
     if _active_worker() is not None and runtime.rank() != root_rank:

@@ -1,8 +1,11 @@
 """The @elastic.run decorator: the loop that survives membership changes."""
 
+from __future__ import annotations
+
 import functools
 import logging
 import time
+from typing import Callable, TypeVar
 
 from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
 from elastic.worker import logs, runtime
@@ -11,7 +14,10 @@ log = logging.getLogger(__name__)
 logs.install()
 
 
-def run(func):
+T = TypeVar("T")
+
+
+def run(func: Callable[..., T]) -> Callable[..., T]:
     """Wrap ``func(state, ...)`` so it resumes after failures and new rounds.
 
     WorkersDepartedError: restore the last commit, then rejoin.

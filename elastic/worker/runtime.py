@@ -225,7 +225,7 @@ _initialized = False
 _STANDALONE = Membership()
 
 
-def init():
+def init() -> None:
     """Connect to elasticrun, or become a single worker of size 1 outside it."""
     global _worker, _initialized
     if _initialized:
@@ -280,11 +280,11 @@ class _ExitGuard:
 _exit_guard = _ExitGuard()
 
 
-def is_initialized():
+def is_initialized() -> bool:
     return _initialized
 
 
-def shutdown():
+def shutdown() -> None:
     global _worker, _initialized
     if _worker is not None:
         _worker.stop()
@@ -292,48 +292,48 @@ def shutdown():
     _initialized = False
 
 
-def current_membership():
+def current_membership() -> Membership | None:
     """The membership of the round this worker is in, or None; never joins or connects."""
     return _worker.membership if _worker is not None else None
 
 
-def worker():
+def worker() -> Worker | None:
     """The current Worker, or None when running standalone."""
     init()
     return _worker
 
 
-def ensure_joined():
+def ensure_joined() -> Worker | None:
     w = worker()
     if w is not None and w.membership is None:
         w.join_next_round()
     return w
 
 
-def membership():
+def membership() -> Membership:
     w = ensure_joined()
     return w.membership if w is not None else _STANDALONE
 
 
-def rank():
+def rank() -> int:
     return membership().rank
 
 
-def size():
+def size() -> int:
     return membership().size
 
 
-def local_rank():
+def local_rank() -> int:
     return membership().local_rank
 
 
-def local_size():
+def local_size() -> int:
     return membership().local_size
 
 
-def cross_rank():
+def cross_rank() -> int:
     return membership().cross_rank
 
 
-def cross_size():
+def cross_size() -> int:
     return membership().cross_size

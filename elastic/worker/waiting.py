@@ -2,7 +2,7 @@
 
 A gloo peer blocked on another survivor does not notice a death until its own
 timeout, so work is waited on in short slices that watch the round's abort
-key (see docs/architecture.md, "Invariants"). Any backend failure surfaces as
+key (docs/architecture.md, "Why waits are sliced"). Any backend failure surfaces as
 WorkersDepartedError, which the run loop turns into restore-and-rejoin.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from elastic.exceptions import WorkersDepartedError
 

@@ -77,7 +77,7 @@ def main():
 
     train(state)
     rank = elastic.rank()
-    ckpt = state._checkpoint
+    ckpt = state.checkpointer
     with open(os.path.join(OUT, f"final.{rank}.json"), "w") as f:
         json.dump({"params": digest(list(model.parameters())),
                    "optimizer": digest([v for s in optimizer.state.values()

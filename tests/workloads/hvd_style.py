@@ -31,7 +31,7 @@ state.register_reset_callbacks([on_state_reset])
 
 @hvd.elastic.run
 def train(state):
-    for state.epoch in range(state.epoch, 3):
+    for state.epoch in range(state.epoch, 3):  # noqa: B020 - Horovod's idiom, on purpose
         state.sampler.set_epoch(state.epoch)
         idx = list(state.sampler)
         for start in range(0, len(idx), 4):

@@ -142,8 +142,7 @@ def main():
             next(state.model.parameters()).add_(0.25)
         state.epoch = 7
         state.batch = 1234
-        state.save()
-        state._version += 1
+        state.adopt(state.capture(), state.commit_version + 1)   # the newest commit
     before = dict(state.sync_stats)
     out["newest_before"] = summary(state)
     state.sync()
