@@ -6,7 +6,7 @@
 from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
 from elastic.torch import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState, ...)
 from elastic.torch.handles import poll, synchronize
-from elastic.torch.move_ops import allgather_object, barrier, broadcast_object, join
+from elastic.torch.move_ops import allgather_object, barrier, broadcast_object
 from elastic.torch.negotiation import CollectiveMismatchError
 from elastic.torch.ops import (
     allgather,
@@ -56,7 +56,7 @@ from elastic.torch.queries import (
     start_timeline,
     stop_timeline,
 )
-from elastic.torch.reduce_ops import Adasum
+from elastic.torch.reduce_ops import Adasum, join
 from elastic.torch.sync_batch_norm import SyncBatchNorm
 from elastic.training.optimizer import Compression, DistributedOptimizer
 from elastic.worker import collectives as _c

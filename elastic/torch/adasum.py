@@ -53,8 +53,10 @@ def allreduce_(tensors, binding):
         for t in tensors:
             mine = t.detach().contiguous()
             theirs = torch.empty_like(mine)
-            send = negotiation.issue(lambda: group.send([mine], partner, level), "adasum")
-            recv = negotiation.issue(lambda: group.recv([theirs], partner, level), "adasum")
+            send = negotiation.issue(
+                lambda m=mine, p=partner, tag=level: group.send([m], p, tag), "adasum")
+            recv = negotiation.issue(
+                lambda t=theirs, p=partner, tag=level: group.recv([t], p, tag), "adasum")
             collectives.wait(send, "adasum", binding.worker)
             collectives.wait(recv, "adasum", binding.worker)
             lower, upper = (mine, theirs) if me < partner else (theirs, mine)

@@ -11,10 +11,16 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from elastic.torch import negotiation, reduce_ops
+from elastic.torch import negotiation
 from elastic.torch.handles import Handle, claim_name
-from elastic.torch.negotiation import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                       CollectiveMismatchError, record)
+from elastic.torch.negotiation import (
+    ALLGATHER,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    CollectiveMismatchError,
+    record,
+)
 from elastic.torch.process_sets import bind
 from elastic.worker import collectives
 
@@ -194,7 +200,7 @@ def broadcast_object_on(binding, obj, root):
             t = payload
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        work = _issue(binding, t, "broadcast_object", lambda g, t=t: g.broadcast([t], opts))
+        work = _issue(binding, t, "broadcast_object", lambda g, t=t, opts=opts: g.broadcast([t], opts))
         collectives.wait(work, "broadcast_object", binding.worker)
     return obj if binding.rank == root else pickle.loads(payload.numpy().tobytes())
 
@@ -233,26 +239,6 @@ def barrier(process_set=None):
     if outcome.error is not None:
         raise outcome.error
 
-
-def join(device=-1, process_set=None):
-    """Wait until every rank has joined, taking part in the others' allreduces meanwhile.
-
-    A joined rank contributes identity values (0 for Sum and Average, so Average
-    still divides by the full size, as in Horovod). Other ops raise on the ranks
-    that issue them. Returns the rank that joined last.
-    """
-    binding = bind(process_set)
-    if binding is None or binding.size == 1:
-        return 0 if binding is None else binding.ranks[0]
-    rec = record(JOIN, join_step=negotiation.exchanges_so_far(binding))
-    while True:
-        outcome = negotiation.negotiate(binding, rec, "join")
-        if outcome.all_joined:
-            steps = [(int(r[negotiation.JOIN_STEP]), i) for i, r in enumerate(outcome.records)]
-            return binding.global_rank(max(steps)[1])
-        if outcome.error is None and outcome.joinable:
-            reduce_ops.join_allreduce(binding, outcome)
-        # Otherwise the active ranks raise their error and carry on; so do we.
 
 
 __all__ = ["CollectiveMismatchError"]

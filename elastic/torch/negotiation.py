@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from elastic.exceptions import WorkersDepartedError
+from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.worker import collectives
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, JOIN, BARRIER = range(1, 8)
@@ -30,7 +30,7 @@ KIND, COUNT, OP, ROOT, NAME, DIGEST, DTYPE, DEVICE, JOIN_STEP, NDIM, SHAPE = ran
 LENGTH = SHAPE + MAX_DIMS
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveMismatchError(ElasticError):
     """Ranks asked for incompatible collectives (shapes, dtypes, roots, ops, names)."""
 
 

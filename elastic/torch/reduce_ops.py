@@ -9,9 +9,9 @@ gloo cannot reduce int16, so int16 travels as int32 and comes back as int16.
 import torch
 import torch.distributed as dist
 
-from elastic.torch import adasum, negotiation
+from elastic.torch import adasum, move_ops, negotiation
 from elastic.torch.handles import Handle, claim_name
-from elastic.torch.negotiation import ALLREDUCE, REDUCESCATTER, record
+from elastic.torch.negotiation import ALLREDUCE, JOIN, REDUCESCATTER, record
 from elastic.torch.process_sets import bind
 from elastic.worker.collectives import Average, Max, Min, Product, Sum
 
@@ -117,14 +117,12 @@ def _issue_allreduce(binding, tensor, op):
 
 def _describe_for_joined(binding, outcome, tensors):
     """The lowest active rank tells the joined ranks what to contribute."""
-    from elastic.torch import move_ops
     desc = [(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type) for t in tensors]
     move_ops.broadcast_object_on(binding, desc, outcome.active[0])
 
 
 def join_allreduce(binding, outcome):
     """A joined rank's part in the others' allreduce: identity values of their shapes."""
-    from elastic.torch import move_ops
     desc = move_ops.broadcast_object_on(binding, None, outcome.active[0])
     code = int(outcome.records[outcome.active[0]][negotiation.OP])
     op = next(k for k, v in OP_CODES.items() if v == code)
@@ -182,3 +180,24 @@ def reducescatter_async(tensors, op, prescale_factor=1.0, postscale_factor=1.0, 
         return out
 
     return Handle(works, finish, binding.worker, name_key, what="reducescatter")
+
+
+def join(device=-1, process_set=None):
+    """Wait until every rank has joined, taking part in the others' allreduces meanwhile.
+
+    A joined rank contributes identity values (0 for Sum and Average, so Average
+    still divides by the full size, as in Horovod). Other ops raise on the ranks
+    that issue them. Returns the rank that joined last.
+    """
+    binding = bind(process_set)
+    if binding is None or binding.size == 1:
+        return 0 if binding is None else binding.ranks[0]
+    rec = record(JOIN, join_step=negotiation.exchanges_so_far(binding))
+    while True:
+        outcome = negotiation.negotiate(binding, rec, "join")
+        if outcome.all_joined:
+            steps = [(int(r[negotiation.JOIN_STEP]), i) for i, r in enumerate(outcome.records)]
+            return binding.global_rank(max(steps)[1])
+        if outcome.error is None and outcome.joinable:
+            join_allreduce(binding, outcome)
+        # Otherwise the active ranks raise their error and carry on; so do we.

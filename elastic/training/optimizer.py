@@ -26,7 +26,7 @@ import torch
 from elastic.exceptions import WorkersDepartedError
 from elastic.training.compression import Compression, FP16Compressor, NoneCompressor
 from elastic.training.optimizer_checks import check_groups, check_names, check_passes, check_process_set
-from elastic.training.optimizer_layout import build_buckets
+from elastic.training.optimizer_layout import build_buckets, zero_grad
 from elastic.worker import collectives, runtime
 from elastic.worker.collectives import Average, ReduceOp
 
@@ -138,6 +138,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def bucket_count(self):
         return len(self._buckets or ())
 
+    @property
+    def bucket_cap_bytes(self):
+        return self._cap
+
+    @property
+    def bucket_flats(self):
+        """The current buckets' flat buffers (none before the first step of a round)."""
+        return [b.flat for b in self._buckets or ()]
+
     # -- torch.optim.Optimizer -----------------------------------------------------------------
     def state_dict(self):
         return self._opt.state_dict()
@@ -170,7 +179,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.as_view:
                 bucket.flat.zero_()
             for p in bucket.loose:
-                _zero_grad(p, set_to_none)
+                zero_grad(p, set_to_none)
         for p in self._sparse:
             p.grad = None
 
@@ -442,19 +451,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = out.to(p.dtype).to_sparse(p.grad.sparse_dim())
             else:
                 p.grad.copy_(out)
-
-
-def _zero_grad(p, set_to_none):
-    if p.grad is None:
-        return
-    if set_to_none:
-        p.grad = None
-        return
-    if p.grad.grad_fn is not None:
-        p.grad.detach_()
-    else:
-        p.grad.requires_grad_(False)
-    p.grad.zero_()
 
 
 _CLASSES = {}

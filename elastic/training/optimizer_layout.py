@@ -88,3 +88,17 @@ def build_buckets(trainable, groups, cap, compression, as_view):
         if not bucket.as_view:
             bucket.loose = list(bucket.params)
     return buckets
+
+
+def zero_grad(p, set_to_none):
+    """Optimizer.zero_grad for one parameter, as torch does it."""
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+        return
+    if p.grad.grad_fn is not None:
+        p.grad.detach_()
+    else:
+        p.grad.requires_grad_(False)
+    p.grad.zero_()
