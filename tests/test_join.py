@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from jobs import REPO
 from join_cluster import ELASTICRUN, JoinJob, wait_until
 from procs import job_workers
-
-from jobs import REPO
 
 WORKER_LINE = re.compile(r"^\[\d+\]<stdout>:worker \d+ finished as rank \d+ of \d+$", re.M)
 

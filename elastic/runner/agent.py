@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from elastic import protocol
+from elastic.exceptions import ElasticError
 from elastic.protocol import AgentKeys, ControlError, ControlStore
 from elastic.runner import launcher
 
@@ -39,7 +40,7 @@ MAX_REPORT_LINES = 2000
 MAX_LINE_CHARS = 8192
 
 
-class AgentFailed(Exception):
+class AgentFailed(ElasticError):
     """The agent cannot go on; str() is the one line the user sees."""
 
 
@@ -275,7 +276,7 @@ class Agent:
         env.update({k: str(v) for k, v in job_env.items() if isinstance(k, str)})
         env.update({protocol.ENV_ADDR: self.cfg.driver_host,
                     protocol.ENV_SECRET_FILE: os.path.abspath(self.cfg.secret_file),
-                    "ELASTIC_DRIVER_PID": str(os.getpid())})
+                    protocol.ENV_DRIVER_PID: str(os.getpid())})
         try:
             self.workers[worker_id] = launcher.start_local(
                 worker_id, self.cfg.host_name, self.cfg.command, env, self.sink)

@@ -30,7 +30,7 @@ POLL_S = 0.1
 HELLO_REFRESH_S = 1.0
 AGENT_LOST = 137           # what a lost agent's workers read as (128 + SIGKILL)
 _NOT_SENT = {protocol.ENV_SECRET, protocol.ENV_SECRET_FILE, protocol.ENV_ADDR,
-             "ELASTIC_DRIVER_PID"}
+             protocol.ENV_DRIVER_PID}
 
 
 @dataclass

@@ -159,7 +159,7 @@ class Driver:
             self.reporter.flush()
             self._stop_all()
             if self.cfg.backend is not None:
-                self.cfg.backend.close(0 if self.final_round is not None else 1)
+                self.cfg.backend.close(0 if self.job.final_round is not None else 1)
 
     # -- discovery ------------------------------------------------------------------
     def _first_discovery(self):
