@@ -40,8 +40,15 @@ provided the model treats samples independently (BatchNorm statistics, for one,
 depend on how samples are grouped into micro-batches).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from elastic.worker import runtime
 from elastic.worker.collectives import ReduceOp
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MicroBatch:
@@ -59,7 +66,7 @@ class MicroBatch:
     def __len__(self):
         return len(self.indices)
 
-    def scale(self, loss, reduction="mean"):
+    def scale(self, loss: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """``loss`` weighted by this micro-batch's share of the global batch.
 
         ``reduction``: ``"mean"`` if ``loss`` averages over the micro-batch's samples,
@@ -70,7 +77,7 @@ class MicroBatch:
             return loss * self._scale
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
 
-    def backward(self, loss, reduction="mean", **kwargs):
+    def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs) -> None:
         """Backward of the weighted loss; all but the last micro-batch accumulate locally."""
         weighted = self.scale(loss, reduction)
         no_sync = getattr(self._optimizer, "no_sync", None)
@@ -106,7 +113,7 @@ class GlobalBatch:
         return len(self.micro_batches)
 
 
-def world_scale(optimizer):
+def world_scale(optimizer) -> float:
     """The factor that turns 'share of the global batch' into a loss weight: the world
     size when the optimizer averages across ranks, 1 when it sums."""
     op = getattr(optimizer, "op", None)

@@ -28,8 +28,11 @@ at each membership change; the factor is also refreshed at every step, so the
 scaled lr is right even without the callback.
 """
 
+from __future__ import annotations
+
 import math
 import weakref
+from typing import Callable
 
 from elastic.worker import runtime
 
@@ -46,7 +49,7 @@ def _inner_optimizer(optimizer):
     return inner if inner is not None else optimizer
 
 
-def scale_factor(size, base_size, rule="linear"):
+def scale_factor(size: int, base_size: int, rule: str | Callable = "linear") -> float:
     """``f(size) / f(base_size)`` for a rule name in :data:`RULES` or a callable ``f``."""
     f = RULES.get(rule) if isinstance(rule, str) else rule
     if f is None or not callable(f):
@@ -73,7 +76,8 @@ class LRScaler:
     # optimizer -> its scaler: one per optimizer, without writing onto the user's object
     _attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, optimizer, base_size, rule="linear", size_fn=None):
+    def __init__(self, optimizer, base_size: int, rule: str | Callable = "linear",
+                 size_fn: Callable[[], int] | None = None):
         self.base_size = int(base_size)
         self.rule = rule
         self._size_fn = size_fn or runtime.size
@@ -88,7 +92,7 @@ class LRScaler:
                          self._opt.register_step_post_hook(self._after_step)]
         LRScaler._attached[self._opt] = self
 
-    def update(self):
+    def update(self) -> float:
         """Read the current world size and recompute :attr:`factor`. Returns the factor."""
         self.size = int(self._size_fn())
         self.factor = scale_factor(self.size, self.base_size, self.rule)
@@ -96,12 +100,12 @@ class LRScaler:
 
     __call__ = update   # a reset callback
 
-    def scaled_lrs(self):
+    def scaled_lrs(self) -> list:
         """The lr of each param group as the optimizer uses it at the current size."""
         factor = scale_factor(int(self._size_fn()), self.base_size, self.rule)
         return [group["lr"] * factor for group in self._opt.param_groups]
 
-    def remove(self):
+    def remove(self) -> None:
         """Detach from the optimizer; its lrs are then used unscaled again."""
         self._restore()
         for handle in self._handles:
