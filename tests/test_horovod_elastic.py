@@ -283,13 +283,13 @@ def test_horovod_style_handler_registry(registry):
 def test_checkpoint_is_an_ordinary_keyword(tmp_path, monkeypatch):
     monkeypatch.delenv("ELASTIC_CHECKPOINT_DIR", raising=False)
     state = hvd.elastic.TorchState(checkpoint={"best": 1.0})
-    assert state.checkpoint == {"best": 1.0} and state._checkpoint is None
+    assert state.checkpoint == {"best": 1.0} and state.checkpointer is None
     state.commit()
     state.checkpoint["best"] = 0.5
     state.restore()
     assert state.checkpoint == {"best": 1.0}
     ck = Checkpointer(tmp_path)
-    assert hvd.elastic.TorchState(elastic_checkpoint=ck)._checkpoint is ck
+    assert hvd.elastic.TorchState(elastic_checkpoint=ck).checkpointer is ck
     ck.close()
 
 
