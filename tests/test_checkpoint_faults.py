@@ -113,7 +113,7 @@ def _train(state, model, optimizer, commits):
         model(torch.ones(1, model.in_features)).sum().backward()
         optimizer.step()
         state.commit()
-        state._checkpoint.wait(60)
+        state.checkpointer.wait(60)
 
 
 # -- reading: only a checksum mismatch means corrupt -------------------------------------------

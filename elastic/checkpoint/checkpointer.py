@@ -372,7 +372,7 @@ class Checkpointer:
         with self._trouble_mu:
             was, self._trouble = self._trouble, None
         if was is not None:
-            runtime._log(f"checkpoints to {self.directory} work again")
+            log.info("checkpoints to %s work again", self.directory)
 
     def _release(self):
         if self._lock.held:
