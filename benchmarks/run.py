@@ -14,6 +14,7 @@ Sections (worker scripts in this folder):
   restart   restart_worker.py: torchrun-style restart baseline
   scaleup   real elasticrun job, discovery adds a host while it trains
   growth    dp_worker.py growth at 4 and 8 workers
+  ops       ops_bench.py: elastic.torch ops (with their pre-op check) vs unchecked collectives
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
@@ -580,6 +581,22 @@ def bench_ckpt():
 
 
 # -- output -------------------------------------------------------------------------------
+# -- elastic.torch ops -------------------------------------------------------------------
+@section("ops")
+def bench_ops():
+    r0 = common.launch(BENCH / "ops_bench.py", 2, [3 if QUICK else 7])[0]
+    for label in ("4 KB", "4 MB"):
+        c, p = median(r0[label]["checked"]), median(r0[label]["plain"])
+        row(f"hvd.allreduce {label} float32, 2 workers: latency with the pre-op check vs "
+            "elastic.allreduce (no check)", us(c), us(p), f"{c / p:.2f}×")
+    g, loose = median(r0["grouped"]["grouped"]), median(r0["grouped"]["loose"])
+    row("hvd.grouped_allreduce of 50 × 1 KB vs 50 hvd.allreduce calls (one check for the group)",
+        ms(g), ms(loose), f"{g / loose:.2f}×", "—", "—")
+    NOTES.append("ops: medians of per-call times, the two sides alternating call by call "
+                 "(robust to this shared machine's load spikes); the check is one allgather "
+                 "of 19 int64 per op (per group)")
+
+
 def table():
     head = ["metric", "elastic", "baseline", "ratio", "target", "met?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -594,7 +611,7 @@ def main():
     for name, fn in (("steady", bench_steady), ("commit", bench_commit), ("sync", bench_sync),
                      ("recovery", bench_recovery), ("restart", bench_restart),
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
-                     ("ckpt", bench_ckpt)):
+                     ("ops", bench_ops), ("ckpt", bench_ckpt)):
         if not only or name in only:
             fn()
     recovery_rows()

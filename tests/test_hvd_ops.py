@@ -71,3 +71,5 @@ def test_process_sets_across_a_membership_change(tmp_path):
         assert r["stale"] == "ProcessSetStaleError", r
         assert r["readded"] == 3 and r["ruled"] == 3, r
     assert {r["rank"] for r in after} == {0, 1}
+    # the survivors learnt of the departure inside an elastic.torch op, as WorkersDepartedError
+    assert sorted(p.read_text() for p in job.out.glob("departed.*")) == ["0", "1"]

@@ -43,8 +43,8 @@ def dtype_code(dtype):
 
 
 def record(kind, tensors=(), op=0, root=-1, name=None, vary_dim0=False, join_step=0):
-    """This rank's record; with ``vary_dim0`` the first dimension may differ across ranks."""
-    rec = torch.full((LENGTH,), -1, dtype=torch.int64)
+    """This rank's record (a list of ints); with ``vary_dim0`` dim 0 may differ across ranks."""
+    rec = [-1] * LENGTH
     rec[KIND], rec[COUNT], rec[OP], rec[ROOT] = kind, len(tensors), op, root
     rec[NAME] = _hash(name) if name else 0
     rec[JOIN_STEP] = join_step
@@ -54,14 +54,15 @@ def record(kind, tensors=(), op=0, root=-1, name=None, vary_dim0=False, join_ste
         if vary_dim0 and shape:
             shape[0] = -1
         signature.append(f"{t.dtype}:{t.device.type}:{shape}")
-    rec[DIGEST] = _hash("|".join(signature))
+    rec[DIGEST] = _hash("|".join(signature)) if len(tensors) > 1 else 0
     if tensors:
         first = tensors[0]
         rec[DTYPE] = dtype_code(first.dtype)
         rec[DEVICE] = 1 if first.is_cuda else 0
         rec[NDIM] = first.dim()
-        for i, n in enumerate(list(first.shape)[:MAX_DIMS]):
-            rec[SHAPE + i] = n
+        rec[SHAPE:SHAPE + min(first.dim(), MAX_DIMS)] = list(first.shape)[:MAX_DIMS]
+        if first.dim() > MAX_DIMS:
+            rec[DIGEST] = _hash("|".join(signature))
     return rec
 
 
@@ -70,8 +71,8 @@ class Outcome:
 
     def __init__(self, records):
         self.records = records
-        self.joined = [r for r in range(len(records)) if int(records[r][KIND]) == JOIN]
-        self.active = [r for r in range(len(records)) if int(records[r][KIND]) != JOIN]
+        self.joined = [r for r in range(len(records)) if records[r][KIND] == JOIN]
+        self.active = [r for r in range(len(records)) if records[r][KIND] != JOIN]
         self.error = None
 
     @property
@@ -110,11 +111,12 @@ def exchange(binding, rec):
     """Allgather ``rec`` over the set's CPU group; returns the records in set-rank order."""
     key = (binding.worker.round_id, tuple(binding.ranks))
     _exchanges[key] = _exchanges.get(key, 0) + 1
-    outputs = [torch.empty_like(rec) for _ in range(binding.size)]
+    mine = torch.tensor(rec, dtype=torch.int64)
+    outputs = [torch.empty_like(mine) for _ in range(binding.size)]
     group = binding.cpu_group
-    work = issue(lambda: group.allgather([outputs], [rec]), "negotiation")
+    work = issue(lambda: group.allgather([outputs], [mine]), "negotiation")
     collectives.wait(work, "negotiation", binding.worker)
-    return outputs
+    return torch.stack(outputs).tolist()
 
 
 ADASUM_CODE = 6     # reductions that joined ranks cannot take part in

@@ -45,8 +45,13 @@ def train(state):
             os._exit(1)
         record = {"size": hvd.size(), "rank": hvd.rank(), "batch": state.batch,
                   "ruled_ranks": sets["ruled"].ranks}
-        for key, ps in sets.items():
-            record[key] = try_sum(ps)
+        try:
+            for key, ps in sets.items():
+                record[key] = try_sum(ps)
+        except hvd.HorovodInternalError:     # rank 2 left: the run loop restores and rejoins
+            with open(f"{OUT}/departed.{os.getpid()}", "w") as f:
+                f.write(str(hvd.rank()))
+            raise
         with open(f"{OUT}/ps.{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         state.batch += 1
