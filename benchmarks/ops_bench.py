@@ -35,7 +35,8 @@ def main():
     out = {}
     for label, numel, iters in (("4 KB", 1024, 100 * reps), ("4 MB", 1 << 20, 5 * reps)):
         t = torch.ones(numel)
-        checked, plain = paired(lambda: hvd.allreduce(t), lambda: elastic.allreduce(t), iters)
+        checked, plain = paired(lambda t=t: hvd.allreduce(t), lambda t=t: elastic.allreduce(t),
+                                iters)
         out[label] = {"checked": checked, "plain": plain}
     small = [torch.ones(256) for _ in range(50)]
     grouped, loose = paired(lambda: hvd.grouped_allreduce(small),
