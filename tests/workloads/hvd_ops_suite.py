@@ -567,6 +567,16 @@ def process_sets_run_ops_among_members():
     same(hvd.broadcast(torch.tensor([r]), members[-1], process_set=mine),
          torch.tensor([members[-1]]))
     assert hvd.allgather_object(r, process_set=mine) == members
+    k = len(members)
+    out, received = hvd.alltoall(torch.arange(k) + 10 * r, torch.ones(k, dtype=torch.int32),
+                                 process_set=mine)
+    same(out, torch.tensor([10 * m + mine.rank() for m in members]))
+    assert received.tolist() == [1] * k
+    same(hvd.reducescatter(torch.ones(k, 2) * (r + 1), op=hvd.Sum, process_set=mine),
+         torch.full((1, 2), float(sum(m + 1 for m in members))))
+    e = raises(hvd.CollectiveMismatchError, hvd.allreduce, torch.ones(1 + mine.rank()),
+               process_set=mine) if k > 1 else None
+    assert e is None or "shapes differ" in str(e)
     raises(ValueError, hvd.allreduce, torch.ones(1), process_set=other)
     raises(ValueError, hvd.broadcast, torch.ones(1), other.ranks[0], process_set=mine)
     raises(ValueError, hvd.add_process_set, list(members))
