@@ -19,18 +19,21 @@ from elastic.training.optimizer import Compression
 _GLOBAL = global_process_set
 
 
-def _one(handle):
+class _Single(Handle):
     """An async handle whose result is the single tensor of a one-tensor op."""
-    inner = handle
 
-    class _Single(Handle):
-        def poll(self):
-            return inner.poll()
+    def __init__(self, inner):
+        super().__init__()
+        self._inner = inner
 
-        def wait(self):
-            return inner.wait()[0]
+    def poll(self):
+        return self._inner.poll()
 
-    return _Single()
+    def wait(self):
+        return self._inner.wait()[0]
+
+
+_one = _Single
 
 
 # -- allreduce ---------------------------------------------------------------------------
