@@ -87,6 +87,10 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int =
     for multi-host jobs). Other keyword arguments are elasticrun flags:
     ``elastic_timeout=60`` is ``--elastic-timeout 60``, ``verbose=True`` is
     ``--verbose``, ``blacklist_cooldown_range=(10, 100)``, ``ssh_option=[...]``.
+    ``horovod.run``'s keywords work too (``num_proc``, ``min_num_proc``,
+    ``max_num_proc``, ``host_discovery_script``, ``hostfile``, ``start_timeout``,
+    ``cooldown_range``, ``slots``, ``use_gloo``, ``use_mpi``, ``disable_cache``,
+    ...); as in Horovod, ``None`` and ``False`` mean "not given".
 
     Bad arguments raise ``ValueError``/``TypeError`` before anything starts; a
     failed job raises ``LaunchError`` naming the failing worker.
@@ -102,6 +106,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int =
     if env is not None and not all(isinstance(k, str) and isinstance(v, str)
                                    for k, v in dict(env).items()):
         raise TypeError("env must map str to str")
+    np, min_np, max_np, discovery_script, elasticrun_options = horovod_keywords(
+        np, min_np, max_np, discovery_script, elasticrun_options)
     flags = elasticrun_flags(np, min_np, max_np, hosts, discovery_script, elasticrun_options)
     child_env = _child_env(env)
     _validate(flags)
@@ -137,6 +143,41 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int =
 
 
 # -- arguments ----------------------------------------------------------------------------
+
+_HOROVOD_RENAMES = {"cooldown_range": "blacklist_cooldown_range", "use_gloo": "gloo",
+                    "use_mpi": "mpi"}
+
+
+def horovod_keywords(np, min_np, max_np, discovery_script, options):
+    """horovod.run's spellings onto ours; None and False are dropped, as Horovod does."""
+    options = dict(options)
+    given = {}
+    for theirs, ours in (("num_proc", "np"), ("min_num_proc", "min_np"),
+                         ("max_num_proc", "max_np"), ("host_discovery_script", "discovery_script")):
+        value = options.pop(theirs, None)
+        if value is not None:
+            given[ours] = value
+    if "np" in given and np != 1 and np != given["np"]:
+        raise TypeError("give np or num_proc, not both")
+    np = given.get("np", np)
+    for ours, current in (("min_np", min_np), ("max_np", max_np),
+                          ("discovery_script", discovery_script)):
+        if ours in given and current is not None:
+            raise TypeError(f"give {ours} or its Horovod spelling, not both")
+    min_np = given.get("min_np", min_np)
+    max_np = given.get("max_np", max_np)
+    discovery_script = given.get("discovery_script", discovery_script)
+    for theirs, ours in _HOROVOD_RENAMES.items():
+        if theirs in options:
+            options[ours] = options.pop(theirs)
+    if options.get("executable") is not None:
+        raise ValueError("executable: workers run this interpreter (sys.executable)")
+    options.pop("executable", None)
+    if "verbose" in options and not isinstance(options["verbose"], bool):
+        options["verbose"] = bool(options["verbose"])   # Horovod's verbose is a level
+    return np, min_np, max_np, discovery_script, {
+        k: v for k, v in options.items() if v is not None and v is not False}
+
 
 def elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
     for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):

@@ -12,7 +12,7 @@ import sys
 
 from elastic import protocol
 from elastic.exceptions import ElasticError
-from elastic.runner import launcher, serve
+from elastic.runner import horovod_flags, launcher, serve
 from elastic.runner.agent import run_agent
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
 from elastic.runner.driver import JobConfig, run_job
@@ -97,6 +97,7 @@ def build_parser():
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    horovod_flags.add_to(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="training command")
     return p
 
@@ -152,11 +153,18 @@ def config_from_args(args):
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or hi < lo:
             raise UsageError("--blacklist-cooldown-range needs 0 <= MIN <= MAX")
         cooldown = (lo, hi)
-    if args.hosts and args.discovery_script:
-        raise UsageError("give either -H or --host-discovery-script, not both")
+    if sum(1 for given in (args.hosts, args.discovery_script, args.hostfile) if given) > 1:
+        raise UsageError("give only one of -H, --hostfile and --host-discovery-script")
+    try:
+        start_timeout = horovod_flags.start_timeout(args, os.environ)
+        extra_env = horovod_flags.fusion_env(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         if serving is not None:
             discovery = serving[0]
+        elif args.hostfile:
+            discovery = FixedDiscovery(horovod_flags.read_hostfile(args.hostfile))
         elif args.discovery_script:
             discovery = ScriptDiscovery(args.discovery_script, args.slots, args.discovery_timeout)
             discovery.validate()
@@ -197,8 +205,9 @@ def config_from_args(args):
         worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
-        extra_env={protocol.ENV_CHECKPOINT_DIR: os.path.abspath(args.checkpoint_dir)}
-        if args.checkpoint_dir else {},
+        extra_env={**extra_env, **({protocol.ENV_CHECKPOINT_DIR: os.path.abspath(
+            args.checkpoint_dir)} if args.checkpoint_dir else {})},
+        start_timeout=start_timeout,
         **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )
 
@@ -225,6 +234,8 @@ def main(argv=None):
     except UsageError as exc:
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 2
+    for line in horovod_flags.warnings_for(args, os.environ):
+        sys.stderr.write(f"elasticrun: {line}\n")
     level = "DEBUG" if args.verbose else (args.log_level or "INFO")
     logging.basicConfig(level=level, format="elasticrun: %(message)s", stream=sys.stderr)
     return run_job(config)

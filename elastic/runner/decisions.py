@@ -62,10 +62,13 @@ class Limits:
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
     worker_timeout: float = 30.0
+    start_timeout: float | None = None   # elasticrun --start-timeout (horovodrun's)
 
     @property
     def startup_timeout(self) -> float:
         """A process that never reaches elastic.init() (a hung import) is evicted too."""
+        if self.start_timeout is not None:
+            return self.start_timeout
         return max(MIN_STARTUP_TIMEOUT_S, 4 * self.worker_timeout)
 
 

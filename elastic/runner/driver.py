@@ -84,6 +84,7 @@ class JobConfig:
     port: int = 0                     # the store's port (0: any free one)
     secret: str = None                # the job secret (None: a fresh one for this job)
     backend: object = None            # launches on the hosts it owns (joining agents)
+    start_timeout: float = None       # evict a worker not at elastic.init() by then (None: default)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Driver:
         self.cfg = config
         self.limits = Limits(np=config.np, min_np=config.min_np, max_np=config.max_np,
                              elastic_timeout=config.elastic_timeout,
-                             reset_limit=config.reset_limit, worker_timeout=config.worker_timeout)
+                             reset_limit=config.reset_limit, worker_timeout=config.worker_timeout,
+                             start_timeout=config.start_timeout)
         self.hosts = HostManager(config.cooldown_range)
         self.secret = config.secret or secrets.token_hex(32)
         self.sink = launcher.OutputSink(config.output_dir)

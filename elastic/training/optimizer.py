@@ -25,7 +25,13 @@ import torch
 
 from elastic.exceptions import WorkersDepartedError
 from elastic.training.compression import Compression, FP16Compressor, NoneCompressor
-from elastic.training.optimizer_checks import check_groups, check_names, check_passes, check_process_set
+from elastic.training.optimizer_checks import (
+    check_groups,
+    check_names,
+    check_passes,
+    check_process_set,
+    default_bucket_cap_mb,
+)
 from elastic.training.optimizer_layout import build_buckets, zero_grad
 from elastic.worker import collectives, runtime
 from elastic.worker.collectives import Average, ReduceOp
@@ -472,7 +478,7 @@ def _class_for(optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
-                         bucket_cap_mb=25):
+                         bucket_cap_mb=None):
     """Wrap ``optimizer`` so that step() applies gradients reduced with ``op`` across ranks.
 
     Horovod's signature. With backward_passes_per_step=k, gradients accumulate
@@ -482,13 +488,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     the sum and multiplies by f/size after. ``groups`` (an int, or lists of
     parameters; ``num_groups`` is its old name) fixes which gradients travel
     together: each group is one bucket, and the parameters in no group go in
-    buckets of at most ``bucket_cap_mb`` MiB. Sparse gradients travel dense
+    buckets of at most ``bucket_cap_mb`` MiB (default: $HOROVOD_FUSION_THRESHOLD bytes,
+    which ``elasticrun --fusion-threshold-mb`` sets, else 25). Sparse gradients travel dense
     (as with Horovod's ``sparse_as_dense``, which is accepted) and come back sparse. ``process_set``: only the
     global one. Outside elasticrun (size 1) it steps exactly like the wrapped
     optimizer. The result is an instance of the wrapped optimizer's class.
     """
     if num_groups and groups is None:
         groups = num_groups
+    if bucket_cap_mb is None:
+        bucket_cap_mb = default_bucket_cap_mb()
     cls = _class_for(optimizer)
     return cls(optimizer, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb)

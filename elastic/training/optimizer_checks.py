@@ -1,6 +1,7 @@
 """Checks of DistributedOptimizer's arguments, with Horovod's error wording where it has one."""
 
 import collections
+import os
 
 import torch
 
@@ -69,3 +70,20 @@ def check_names(optimizer, named_parameters):
         raise ValueError(f"{missing} parameter(s) of the optimizer are not in named_parameters; "
                          "pass the named_parameters() of the model the optimizer trains")
     return names
+
+
+FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"   # bytes, as horovodrun's --fusion-threshold-mb sets it
+
+
+def default_bucket_cap_mb(environ=os.environ):
+    """$HOROVOD_FUSION_THRESHOLD in MiB (0: one tensor per bucket, as in Horovod), else 25."""
+    raw = environ.get(FUSION_ENV, "")
+    if raw == "":
+        return 25
+    try:
+        nbytes = float(raw)
+    except ValueError:
+        raise ValueError(f"{FUSION_ENV}={raw!r} is not a number of bytes") from None
+    if not nbytes >= 0:
+        raise ValueError(f"{FUSION_ENV}={raw!r} must be 0 or more")
+    return max(nbytes, 1.0) / 2 ** 20
