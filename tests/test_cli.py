@@ -80,7 +80,7 @@ BAD_INPUT = [
            "true"], ["--elastic-timeout"], min_s=2, max_s=20),
     _case("hosts_and_discovery_script",
           ["-np", "1", "-H", "localhost:1", "--host-discovery-script", "{d}/good.sh", "true"],
-          ["not both"]),
+          ["only one of"]),
     _case("cooldown_range_reversed", ["-np", "1", "--blacklist-cooldown-range", "5", "1", "true"],
           ["--blacklist-cooldown-range"]),
     _case("cooldown_range_negative", ["-np", "1", "--blacklist-cooldown-range", "-1", "5", "true"],
