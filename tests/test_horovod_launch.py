@@ -65,11 +65,11 @@ def test_fusion_threshold_is_the_bucket_size(monkeypatch):
     assert config.extra_env[horovod_flags.FUSION_ENV] == str(4 * 2 ** 20)
     model = torch.nn.Linear(4, 4)
     monkeypatch.setenv(horovod_flags.FUSION_ENV, str(4 * 2 ** 20))
-    assert DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))._cap == 4 * 2 ** 20
+    assert DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).bucket_cap_bytes == 4 * 2 ** 20
     monkeypatch.setenv(horovod_flags.FUSION_ENV, "0")     # Horovod: no fusion
-    assert DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))._cap == 1
+    assert DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).bucket_cap_bytes == 1
     assert DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                bucket_cap_mb=2)._cap == 2 * 2 ** 20   # explicit wins
+                                bucket_cap_mb=2).bucket_cap_bytes == 2 * 2 ** 20   # explicit wins
     monkeypatch.setenv(horovod_flags.FUSION_ENV, "lots")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -128,17 +128,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._k = passes
             self._end_cycle(drop_buffers=False)
 
-    @property
-    def gradient_predivide_factor(self):
-        return self._predivide
-
-    @property
-    def sparse_as_dense(self):
-        return self._sparse_as_dense
-
-    @property
-    def process_set(self):
-        return self._process_set
+    gradient_predivide_factor, sparse_as_dense, process_set = (
+        property(lambda self, _n=n: getattr(self, _n))
+        for n in ("_predivide", "_sparse_as_dense", "_process_set"))
 
     @property
     def bucket_count(self):
