@@ -1,5 +1,8 @@
 """Process sets across a membership change: 3 workers, rank 2 crashes, 2 carry on.
 
+The sets are registered in the first round that has all 3 workers (a slow
+third worker may join the others a round later).
+
 ``stale`` is defined by ranks and never re-added: after the change it must
 raise ProcessSetStaleError. ``readded`` (every rank) is removed and added
 again in a reset callback. ``ruled`` is ProcessSet(lambda size: [0, size - 1]): ranks [0, 2]
@@ -8,6 +11,7 @@ in round 1 and [0, 1] after the change, rebuilt by its rule.
 
 import json
 import os
+import time
 
 import torch
 
@@ -15,14 +19,19 @@ import elastic.torch as hvd
 
 OUT = os.environ["JOB_OUT"]
 hvd.init()
-sets = {"stale": hvd.add_process_set([0, 1]),
-        "readded": hvd.add_process_set(list(range(hvd.size()))),
-        "ruled": hvd.add_process_set(hvd.ProcessSet(lambda size: [0, size - 1]))}
+sets = {}
+
+
+def register():
+    sets["stale"] = hvd.add_process_set([0, 1])
+    sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
+    sets["ruled"] = hvd.add_process_set(hvd.ProcessSet(lambda size: [0, size - 1]))
 
 
 def on_reset():
-    hvd.remove_process_set(sets["readded"])
-    sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
+    if "readded" in sets:
+        hvd.remove_process_set(sets["readded"])
+        sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
 
 
 state = hvd.elastic.ObjectState(batch=0)
@@ -40,6 +49,11 @@ def try_sum(ps):
 
 @hvd.elastic.run
 def train(state):
+    while hvd.size() < 3 and not sets:
+        time.sleep(0.05)     # a slow third worker joins warm, at a commit
+        state.commit()
+    if not sets:
+        register()           # every rank, in the first round of 3
     while state.batch < 5:
         if state.batch == 2 and hvd.size() == 3 and hvd.rank() == 2:
             os._exit(1)
