@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install ssh-server test test-fast demo bench lint clean
+.PHONY: install ssh-server test test-fast demo bench gpu-check lint clean
 
 install: $(STAMP) ssh-server
 
@@ -43,6 +43,10 @@ demo: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py
+
+# The GPU path on a lent GPU machine: one prepared run of at most 5 minutes.
+gpu-check: install
+	OMP_NUM_THREADS=1 timeout 300 $(PY) benchmarks/gpu_check.py
 
 # Needs only a Python with pip: the venv and ruff are created here if missing.
 lint: $(STAMP)

@@ -17,7 +17,7 @@ import signal
 import time
 
 import torch
-from job_helpers import digest, hold
+from job_helpers import digest, hold, job_device
 
 import elastic
 
@@ -36,7 +36,10 @@ def main():
     torch.manual_seed(0)
     data = torch.randn(SAMPLES, 8)
     target = data.sum(dim=1, keepdim=True)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    device = job_device()
+    data, target = data.to(device), target.to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)

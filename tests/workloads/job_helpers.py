@@ -13,8 +13,16 @@ def digest(tensors):
     """sha256 over the tensors' bytes: equal digests mean bitwise-equal tensors."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def job_device():
+    """JOB_DEVICE=cuda puts the model and data on this worker's GPU (make gpu-check)."""
+    name = os.environ.get("JOB_DEVICE", "cpu")
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
 
 
 def optimizer_tensors(opt):

@@ -15,9 +15,10 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
-from job_helpers import digest, hold, optimizer_tensors
+from job_helpers import digest, hold, job_device, optimizer_tensors
 
 import elastic
 
@@ -51,7 +52,17 @@ def maybe_fault(step):
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
 
+def pin_visible_devices():
+    """JOB_VISIBLE_DEVICES="localhost=0,1;127.0.0.1=2,3": loopback "hosts" that are one
+    machine each see their own GPUs, as separate machines would (make gpu-check)."""
+    for part in filter(None, os.environ.get("JOB_VISIBLE_DEVICES", "").split(";")):
+        host, devices = part.split("=")
+        if host == os.environ.get("ELASTIC_HOSTNAME"):
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
+
+
 def main():
+    pin_visible_devices()
     if os.environ.get("ELASTIC_HOSTNAME") == os.environ.get("JOB_DIE_ON_HOST", "-"):
         os._exit(5)   # a newcomer that dies before it is ready
     elastic.init()
@@ -62,8 +73,11 @@ def main():
     torch.manual_seed(0)
     data = torch.randn(SAMPLES, 8)
     target = data.sum(dim=1, keepdim=True)
+    device = job_device()
+    data, target = data.to(device), target.to(device)
     torch.manual_seed(1234 + int(os.environ.get("ELASTIC_RANK", "0")) + hash(WID) % 97)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
@@ -104,7 +118,7 @@ def main():
                     "epoch": state.epoch, "step": step, "rank": elastic.rank(),
                     "size": elastic.size(), "host": os.environ.get("ELASTIC_HOSTNAME", ""),
                     "local_rank": elastic.local_rank(), "round": w.round_id if w else 0,
-                    "worker": WID}) + "\n")
+                    "worker": WID, "t": time.time()}) + "\n")
                 if step in HOLDS:
                     hold(state, os.path.join(OUT, f"go.{step}"))
                 elif step % COMMIT_EVERY == 0:
