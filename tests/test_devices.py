@@ -148,3 +148,21 @@ def test_no_nccl_in_this_build_is_a_placement_error():
         pytest.skip("this torch build has NCCL")
     with pytest.raises(PlacementError, match="no NCCL"):
         nccl.new_group(None, 0, 1, 0, 5.0)
+
+
+# -- a repeating error in a real job: reported once, never retried -----------------------------
+@pytest.mark.slow
+def test_a_backend_this_machine_lacks_fails_the_job_once_with_one_line(tmp_path):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from jobs import Job
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: ELASTIC_BACKEND=nccl is valid here")
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"], env={"ELASTIC_BACKEND": "nccl"})
+    code = job.run()
+    out = job.output()
+    assert code != 0, out
+    line = "elastic: error: ELASTIC_BACKEND=nccl but this torch build sees no CUDA device"
+    assert sum(1 for x in out.splitlines() if line in x) == 2, out     # once per worker
+    assert "Traceback" not in out, out
+    assert "restoring the last commit" not in out and not job.steps(), out   # no retry

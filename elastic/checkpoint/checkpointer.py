@@ -276,6 +276,24 @@ class Checkpointer:
                 self._thread.start()
             self._cond.notify_all()
 
+    def _prefill_spares(self, buffers):
+        """Pinned allocation is slow (cudaHostAlloc) and must not land on the training
+        thread: make here, on the writer thread, the spares that a commit during this
+        write will swap in (``before_save``)."""
+        wanted = {}
+        for b in buffers:
+            if b.is_pinned():
+                key = (tuple(b.shape), b.dtype, True)
+                wanted[key] = wanted.get(key, 0) + 1
+        for key, count in wanted.items():
+            with self._mu:
+                missing = count - len(self._spares.get(key, [])) - sum(
+                    1 for r in self._retired if (tuple(r.shape), r.dtype, r.is_pinned()) == key)
+            fresh = [torch.empty(key[0], dtype=key[1], pin_memory=True) for _ in range(missing)]
+            if fresh:
+                with self._mu:
+                    self._spares.setdefault(key, []).extend(fresh)
+
     def _job_of(self, state):
         snap = state.snapshot
         return state.commit_version, snap.skeleton, list(snap.buffers), self._world_size
@@ -289,6 +307,7 @@ class Checkpointer:
                     return
                 job, self._job = self._job, None
             try:
+                self._prefill_spares(job[2])
                 self._write(job)
             finally:
                 self._read(None)

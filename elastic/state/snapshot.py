@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from elastic.worker.devices import synchronize_devices
+
 
 class TensorRef:
     """Placeholder for the i-th tensor of a tree."""
@@ -104,8 +106,9 @@ class Snapshot:
             buffers = self.buffers
         for buf, t in zip(buffers, tensors):
             buf.copy_(t, non_blocking=True)
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()
+        # Non-blocking copies from every device must land before anyone reads the
+        # buffers: one synchronize per device where tensors live, not only the current one.
+        synchronize_devices(tensors)
         self.skeleton = skeleton
 
     def materialize(self, shared=False):
@@ -138,7 +141,8 @@ class Snapshot:
         if meta["layout"] == self._layout and meta["flats"] == self._specs and self.intact \
                 and self._flats:
             return list(self._flats)
-        return [host_empty(n, _dtype(d)) for d, n in meta["flats"]]
+        pin = torch.cuda.is_available()   # received state goes on to a GPU: pin it too
+        return [host_empty(n, _dtype(d), pin) for d, n in meta["flats"]]
 
     def install(self, header, flats):
         """Make the received ``flats`` (from ``receive_buffers``) this snapshot."""

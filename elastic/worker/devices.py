@@ -18,8 +18,8 @@ Pure rules, so that they are tested without a GPU (tests/test_devices.py):
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping, Optional
 
 from elastic.exceptions import ElasticError
 
@@ -45,7 +45,7 @@ class Placement:
     """Where one worker's data plane runs."""
 
     backend: str                   # "gloo" or "nccl": the device group's backend
-    device: Optional[int]          # the CUDA device index to make current, or None (CPU)
+    device: int | None          # the CUDA device index to make current, or None (CPU)
 
     @property
     def wait_mode(self) -> str:

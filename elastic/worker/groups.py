@@ -32,7 +32,7 @@ import torch.distributed as dist
 from elastic import protocol
 from elastic.exceptions import WorkersDepartedError
 from elastic.protocol import Keys
-from elastic.worker import waiting
+from elastic.worker import devices, nccl, waiting
 
 if TYPE_CHECKING:
     from elastic.worker.runtime import Worker
@@ -44,8 +44,9 @@ class TrackedGroup:
     recorded. ``group`` is the wrapped torch process group.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, abortable=False):
         self.group = group
+        self.abortable = abortable   # NCCL: its stuck work ends only when it is aborted
         self._works = []
         self._mu = threading.Lock()
 
@@ -91,7 +92,10 @@ class RetiredGroups:
         for group in groups:
             if group is not None and all(group is not g for g in self._groups):
                 self._groups.append(group)
-                self.waited += 0 if group.drained() else 1
+                if not group.drained():
+                    self.waited += 1
+                    if group.abortable:      # a GPU stream blocked on a dead peer
+                        nccl.abort(group.group)
 
     def release_drained(self):
         """Drop every retired group whose work has all completed; returns how many are left.
@@ -114,16 +118,21 @@ class RetiredGroups:
         return len(self._groups)
 
 
-def use_nccl() -> bool:
-    backend = os.environ.get(protocol.ENV_BACKEND, "auto")
-    return backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+def placement_for(membership) -> devices.Placement:
+    """Where this worker's data plane runs in a round (devices.py); a PlacementError
+    repeats on every round, so it is raised as it is, never as a departed peer."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return devices.place(os.environ.get(protocol.ENV_BACKEND, "auto"), membership.local_rank,
+                         membership.local_size, count, membership.hostname)
 
 
-def build_groups(worker: Worker, round_id: int) -> tuple[TrackedGroup, TrackedGroup]:
+def build_groups(worker: Worker, round_id: int,
+                 placement: devices.Placement) -> tuple[TrackedGroup, TrackedGroup]:
     """(cpu group, device group) of ``worker``'s membership in ``round_id``.
 
     Raises WorkersDepartedError when the round is aborted or a peer never
-    connects. The device group is the cpu group when NCCL is not in use.
+    connects. The device group is the cpu group when NCCL is not in use; an
+    NCCL group is created eagerly, bound to its device, with a finite timeout.
     """
     m = worker.membership
     prefix = dist.PrefixStore(Keys.process_group(round_id), worker.control.raw)
@@ -134,10 +143,12 @@ def build_groups(worker: Worker, round_id: int) -> tuple[TrackedGroup, TrackedGr
         try:
             result["cpu"] = dist.ProcessGroupGloo(
                 dist.PrefixStore("gloo/", prefix), m.rank, m.size, timeout)
-            if use_nccl():
-                torch.cuda.set_device(m.local_rank % torch.cuda.device_count())
-                result["device"] = dist.ProcessGroupNCCL(
-                    dist.PrefixStore("nccl/", prefix), m.rank, m.size)
+            if placement.device is not None:
+                torch.cuda.set_device(placement.device)     # this builder thread too
+            if placement.backend == "nccl":
+                result["device"] = nccl.new_group(dist.PrefixStore("nccl/", prefix), m.rank,
+                                                  m.size, placement.device,
+                                                  worker.collective_timeout)
         except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
             result["error"] = exc
 
@@ -149,6 +160,8 @@ def build_groups(worker: Worker, round_id: int) -> tuple[TrackedGroup, TrackedGr
         if builder.is_alive() and (worker.round_aborted() or time.monotonic() > deadline):
             raise WorkersDepartedError(f"process group for round {round_id} did not form")
     if "error" in result:
+        if devices.is_repeating_error(result["error"]):
+            raise devices.PlacementError(f"process group for round {round_id}: {result['error']}")
         raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
     cpu = TrackedGroup(result["cpu"])
     # A group is usable only once every peer finished connecting: without this
@@ -157,4 +170,6 @@ def build_groups(worker: Worker, round_id: int) -> tuple[TrackedGroup, TrackedGr
     work = waiting.issue(lambda: cpu.allreduce([probe]), f"process group for round {round_id}")
     # round_aborted() reads worker.round_id, which is already this round.
     waiting.wait(work, "group check", worker)
-    return cpu, (TrackedGroup(result["device"]) if "device" in result else cpu)
+    if "device" not in result:
+        return cpu, cpu
+    return cpu, TrackedGroup(result["device"], abortable=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -64,10 +64,11 @@ def wait_polling(work, slice_s: float, deadline_s: float,
                  aborted: Callable[[], bool], what: str = "collective",
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 on_abandon: Optional[Callable[[], None]] = None) -> None:
+                 on_abandon: Callable[[], None] | None = None) -> None:
     """Wait for NCCL ``work`` without ever blocking the CPU unboundedly: poll
     ``is_completed()``, watching ``aborted()`` between slices."""
     deadline = clock() + deadline_s
+    pause = min(50e-6, slice_s)       # short first: most work completes within microseconds
     while True:
         try:
             if work.is_completed():
@@ -82,7 +83,8 @@ def wait_polling(work, slice_s: float, deadline_s: float,
             if on_abandon is not None:
                 on_abandon()
             raise WorkersDepartedError(f"{what} timed out")
-        sleep(slice_s)
+        sleep(pause)
+        pause = min(pause * 2, slice_s)
     try:
         work.wait()     # completed: only orders the current stream after it, or raises
     except Exception as exc:  # noqa: BLE001

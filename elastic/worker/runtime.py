@@ -17,11 +17,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from elastic import protocol as control
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.protocol import ControlStore, Keys, env_float
 from elastic.worker import logs
-from elastic.worker.groups import RetiredGroups, build_groups
+from elastic.worker.devices import PlacementError
+from elastic.worker.groups import RetiredGroups, build_groups, placement_for
 
 log = logging.getLogger(__name__)
 logs.install()
@@ -103,6 +106,7 @@ class Worker:
         self.registered = False
         self.cpu_group = None
         self.device_group = None
+        self.placement = None
         self.retired_groups = RetiredGroups()
         self._heartbeat = _Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
         self._heartbeat.start()
@@ -120,6 +124,18 @@ class Worker:
         """Asked at every commit, a quiet moment to free past groups that have drained."""
         self.retired_groups.release_drained()
         return self.latest_round() > self.round_id
+
+    @property
+    def polls_work(self):
+        """NCCL work must be polled: its future completes when the kernel is queued."""
+        return self.placement is not None and self.placement.wait_mode == "poll"
+
+    def abort_device_group(self):
+        """Abort this round's NCCL communicators: a stream blocked on a dead peer
+        would otherwise hang the next CUDA synchronisation."""
+        if self.device_group is not None and self.device_group.abortable:
+            from elastic.worker import nccl
+            nccl.abort(self.device_group.group)
 
     def round_aborted(self):
         return self.round_id > 0 and self.control.has(Keys.abort(self.round_id))
@@ -184,8 +200,12 @@ class Worker:
             rank=me["rank"], size=size, local_rank=me["local_rank"], local_size=me["local_size"],
             cross_rank=me["cross_rank"], cross_size=me["cross_size"], hostname=me["host"],
         )
+        self.placement = placement_for(self.membership)
+        if self.placement.device is not None:
+            # The current CUDA device is per thread: set it where training runs.
+            torch.cuda.set_device(self.placement.device)
         try:
-            self.cpu_group, self.device_group = build_groups(self, round_id)
+            self.cpu_group, self.device_group = build_groups(self, round_id, self.placement)
         except WorkersDepartedError:
             self.report_failure()
             self._drop_groups()
@@ -261,6 +281,10 @@ class _ExitGuard:
 
         def hook(kind, value, tb):
             self.code = 1
+            if isinstance(value, PlacementError):
+                # A configuration error, the same on every round: one line, no traceback.
+                sys.stderr.write(f"elastic: error: {value}\n")
+                return
             original_hook(kind, value, tb)
 
         sys.exit, sys.excepthook = exit_, hook

@@ -35,6 +35,11 @@ def issue(start: Callable[[], Any], what: str) -> Any:
 def wait(work: Any, what: str = "collective", worker: Worker | None = None) -> None:
     """Wait for ``work`` in slices; abandon it if ``worker``'s round is aborted."""
     w = worker
+    if w is not None and w.polls_work:
+        from elastic.worker import nccl
+        nccl.wait_polling(work, WAIT_SLICE_S, w.collective_timeout, w.round_aborted, what,
+                          on_abandon=w.abort_device_group)
+        return
     error, waited = [], []
     if not work.is_completed():
         done = threading.Event()
