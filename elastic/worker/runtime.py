@@ -192,6 +192,10 @@ class Worker:
         while self.control.counter(Keys.joined(round_id)) < size:
             if self.control.has(Keys.abort(round_id)):
                 return False
+            if self.latest_round() > round_id:
+                # Superseded before it assembled: a member that saw the newer plan first
+                # went straight to it and will never join this one.
+                return False
             if time.monotonic() > deadline:
                 raise ElasticError(f"round {round_id} did not assemble in time")
             time.sleep(0.005)
