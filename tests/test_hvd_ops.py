@@ -22,7 +22,7 @@ SCRIPT = REPO / "tests" / "workloads" / "hvd_ops_suite.py"
 def suite(request, tmp_path_factory):
     n = request.param
     job = Job(tmp_path_factory.mktemp(f"ops{n}"), ["-np", str(n), "-H", f"localhost:{n}"],
-              env={"ELASTIC_COLLECTIVE_TIMEOUT": "60"}, script=SCRIPT)
+              env={"ELASTIC_COLLECTIVE_TIMEOUT": "60", "HVD_OPS_SIZE": str(n)}, script=SCRIPT)
     code = job.run(timeout=400)
     per_rank = {}
     for path in sorted(job.out.glob("ops.*.json")):

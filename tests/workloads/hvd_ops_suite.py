@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -598,8 +599,22 @@ def process_sets_run_ops_among_members():
 RESULTS_EXTRA = {}
 
 
+def wait_for_every_worker():
+    """A slow worker joins warm, a round later: commit until the job has its full size."""
+    expected = int(os.environ.get("HVD_OPS_SIZE", "0"))
+
+    @hvd.elastic.run
+    def wait(state):
+        while hvd.size() < expected:
+            time.sleep(0.05)
+            state.commit()
+
+    wait(hvd.elastic.ObjectState(waited=True))
+
+
 def main():
     hvd.init()
+    wait_for_every_worker()
     out_dir = os.environ["JOB_OUT"]
     rank = hvd.rank()
     only = os.environ.get("HVD_OPS_ONLY")
