@@ -26,7 +26,7 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned exactly: a looser spec pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0 numpy cloudpickle filelock pytest matplotlib
+	$(PY) -m pip install -q torch==2.13.0 numpy cloudpickle filelock xxhash pytest matplotlib
 	# The cluster tests: PyYAML parses the Kubernetes examples; ray runs elastic.ray on a local cluster.
 	$(PY) -m pip install -q pyyaml "ray>=2.9"
 	$(PY) -m pip install -q --no-deps -e .

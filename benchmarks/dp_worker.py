@@ -142,7 +142,8 @@ def one_step(model, opt, kind):
 
 
 def raw_broadcast_s(buf, fresh=False):
-    """A plain gloo broadcast on the round's group, root 0, timed where it is received.
+    """A plain gloo broadcast on the round's group, root 0, timed where it is received
+    (on every rank; the last rank is the one reported).
 
     fresh=True: non-roots receive into newly allocated memory (page faults included).
     """
@@ -158,10 +159,12 @@ def raw_broadcast_s(buf, fresh=False):
     return now() - t0
 
 
-def newcomer_sync_s(state, make_fresh, phases):
-    """Last rank starts over (fresh objects, version -1) and syncs; root is rank 0."""
-    last = elastic.size() - 1
-    if elastic.rank() == last:
+def newcomer_sync_s(state, make_fresh, phases, newcomers=None):
+    """The ``newcomers`` (default: the last rank) start over (fresh objects, version -1)
+    and sync; the others hold the commit."""
+    if newcomers is None:
+        newcomers = {elastic.size() - 1}
+    if elastic.rank() in newcomers:
         state = phases.watch(make_fresh())
     gc.collect()
     elastic.barrier()
@@ -173,9 +176,14 @@ def newcomer_sync_s(state, make_fresh, phases):
 
 
 def sync(res, o):
+    """Ranks below ``holders`` hold the same commit; the others sync as newcomers, once
+    per sender count in ``ks`` per repeat (ELASTIC_SYNC_MAX_SENDERS)."""
     reps = int(o.get("reps", 5))
+    holders = int(o.get("holders", 1))
+    ks = [int(k) for k in o.get("ks", "8").split(":")]
     phases = Phases()
-    rank = elastic.rank()
+    rank, size = elastic.rank(), elastic.size()
+    newcomers = set(range(holders, size))
 
     def fresh():
         torch.manual_seed(100 + rank)
@@ -184,23 +192,31 @@ def sync(res, o):
         return TorchState(model, opt, step=0)
 
     state = fresh()
-    one_step(state.model, state.optimizer, "mlp")   # Adam state exists on every rank
+    state.sync()                                    # rank 0's model everywhere
+    one_step(state.model, state.optimizer, "mlp")   # the same step: Adam state everywhere
     state.commit()
     nbytes = state.snapshot.nbytes()
     buf = torch.full((nbytes // 4,), float(rank))
     raw_broadcast_s(buf)                            # warm the path once
-    sync_s, bcast_s, fresh_s, parts = [], [], [], []
+    by_k = {k: [] for k in ks}
+    sent = {k: [] for k in ks}
+    bcast_s, fresh_s, parts = [], [], []
     mine = state
     for rep in range(reps):
         if rep % 2:
             bcast_s.append(raw_broadcast_s(buf))
-        mine, dt, ph = newcomer_sync_s(state, fresh, phases)
-        sync_s.append(dt)
-        parts.append(ph)
-        if rep % 2 == 0:
-            bcast_s.append(raw_broadcast_s(buf))
-        if rep < 3:
             fresh_s.append(raw_broadcast_s(buf, fresh=True))
+        for k in (ks if rep % 2 == 0 else ks[::-1]):
+            os.environ["ELASTIC_SYNC_MAX_SENDERS"] = str(k)
+            before = mine.sync_stats["bytes_sent"] if rank not in newcomers else 0
+            mine, dt, ph = newcomer_sync_s(state, fresh, phases, newcomers)
+            by_k[k].append(dt)
+            sent[k].append(mine.sync_stats["bytes_sent"] - before)
+            parts.append(ph)
+        if rep % 2 == 0:
+            fresh_s.append(raw_broadcast_s(buf, fresh=True))
+            bcast_s.append(raw_broadcast_s(buf))
+    os.environ.pop("ELASTIC_SYNC_MAX_SENDERS", None)
     # Everyone now holds the same commit: a sync must move nothing.
     before = dict(mine.sync_stats)
     elastic.barrier()
@@ -216,8 +232,8 @@ def sync(res, o):
         t0 = now()
         mine.commit()
         commit_s.append(now() - t0)
-    res["sync"] = {"bytes": nbytes, "sync_s": sync_s, "bcast_s": bcast_s, "phases": parts,
-                   "bcast_fresh_s": fresh_s,
+    res["sync"] = {"bytes": nbytes, "sync_s": by_k[ks[0]], "by_k": by_k, "sent": sent,
+                   "bcast_s": bcast_s, "phases": parts, "bcast_fresh_s": fresh_s,
                    "noop_moved_bytes": moved, "noop_sync_s": noop_s, "commit_s": commit_s,
                    "stats": mine.sync_stats}
 

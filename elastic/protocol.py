@@ -39,6 +39,7 @@ ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"  # --checkpoint-dir, for every Tor
 # -- environment a user or a test may set ---------------------------------------------------
 ENV_STORE_TIMEOUT = "ELASTIC_STORE_TIMEOUT"
 ENV_COLLECTIVE_TIMEOUT = "ELASTIC_COLLECTIVE_TIMEOUT"
+ENV_SYNC_MAX_SENDERS = "ELASTIC_SYNC_MAX_SENDERS"  # most ranks that stripe one state sync
 ENV_BACKEND = "ELASTIC_BACKEND"              # auto (NCCL when CUDA is there), gloo or nccl
 ENV_SSH_LOOPBACK = "ELASTIC_SSH_LOOPBACK"     # 1: 127.0.0.2+ are remote (the ssh tests)
 ENV_CHECKPOINT_LOCK_WAIT = "ELASTIC_CHECKPOINT_LOCK_WAIT"

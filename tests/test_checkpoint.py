@@ -487,3 +487,47 @@ def test_when_rank_0_dies_the_next_rank_0_takes_over_the_writing(tmp_path):
     for _version, path in kept:                              # written after the change
         assert store.read_manifest(path)["world_size"] == 1
     assert store.load_newest(str(ckpt))[1]["objects"]["step"] == ("value", finals[0]["step"])
+
+
+# -- format 1 (sha256-named blobs) still loads ------------------------------------------------
+FORMAT1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ckpt_format1")
+
+
+def test_format1_checkpoint_written_by_the_sha256_writer_still_loads():
+    from elastic.checkpoint import load
+    version, tree = load(FORMAT1)
+    assert version == 5
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for k, v in model.state_dict().items():
+        assert torch.equal(tree["model"][k], v), k
+    assert torch.equal(tree["objects"]["big"][1], torch.arange(20000, dtype=torch.float32))
+    assert tree["objects"]["epoch"] == ("value", 3)
+
+
+def test_format1_blobs_are_still_checked_by_sha256(tmp_path):
+    import shutil
+
+    from elastic.checkpoint import format as fmt
+    copy = tmp_path / "ckpt"
+    shutil.copytree(FORMAT1, copy)
+    big = max((copy / "blobs").iterdir(), key=lambda p: p.stat().st_size)
+    assert len(big.name) == 64
+    data = bytearray(big.read_bytes())
+    data[100] ^= 1
+    big.write_bytes(bytes(data))
+    assert fmt.load_newest(str(copy)) is None
+
+
+def test_new_blobs_are_named_by_xxh3_128(tmp_path):
+    import xxhash
+
+    from elastic.checkpoint import format as fmt
+    from elastic.checkpoint.writer import write_checkpoint
+    from elastic.state.snapshot import split
+    skeleton, tensors = split({"w": torch.arange(50000, dtype=torch.float32)})
+    write_checkpoint(str(tmp_path), 1, skeleton, tensors)
+    body = fmt.read_manifest(fmt.manifest_path(str(tmp_path), 1))
+    assert body["format"] == fmt.FORMAT
+    name = body["tensors"][0]["blob"]
+    assert name == xxhash.xxh3_128_hexdigest(tensors[0].numpy().tobytes())

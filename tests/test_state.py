@@ -306,3 +306,55 @@ def test_newest_commit_wins_even_off_rank0(gloo_run):
     assert r0["newest_delta"]["bytes_received"] > 0
     assert r1["newest_delta"]["bytes_sent"] == r0["newest_delta"]["bytes_received"]
     assert r0["newest_delta"]["bytes_sent"] == r1["newest_delta"]["bytes_received"] == 0
+
+
+CHAIN_WORKER = Path(__file__).resolve().parent / "workloads" / "state_chain_worker.py"
+
+
+@pytest.fixture(scope="module")
+def chain_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("state_chain")
+    check_ok(run_workers(CHAIN_WORKER, 4, timeout=240, extra_env={"STATE_OUT": str(tmp)}))
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def _same(runs, phase, keys=("params", "opt", "sampler", "epoch", "batch", "version")):
+    for key in keys:
+        assert len({json.dumps(r[phase][key], sort_keys=True) for r in runs}) == 1, (phase, key)
+
+
+@pytest.mark.slow
+def test_one_chain_brings_every_newcomer_to_rank0_state(chain_run):
+    _same(chain_run, "initial")
+    d = [r["initial_delta"] for r in chain_run]
+    total = d[1]["bytes_received"]
+    assert total > 0 and d[2]["bytes_received"] == d[3]["bytes_received"] == total
+    # Rank 0 sends the state once (not once per receiver); 1 and 2 forward it.
+    assert d[0]["bytes_sent"] == d[1]["bytes_sent"] == d[2]["bytes_sent"] == total
+    assert d[3]["bytes_sent"] == 0 and d[0]["bytes_received"] == 0
+
+
+@pytest.mark.slow
+def test_holders_stripe_and_newcomers_end_bitwise_equal(chain_run):
+    _same(chain_run, "striped")
+    _same(chain_run, "striped_next")
+    for r in chain_run:
+        assert r["striped"]["params"] == chain_run[0]["trained"]["params"]
+    d = [r["striped_delta"] for r in chain_run]
+    total = d[2]["bytes_received"]
+    assert total > 0 and d[3]["bytes_received"] == total
+    assert d[0]["bytes_sent"] > 0 and d[1]["bytes_sent"] > 0          # both holders send
+    assert d[0]["bytes_sent"] + d[1]["bytes_sent"] == total            # disjoint shares
+    assert d[2]["bytes_sent"] == total and d[3]["bytes_sent"] == 0     # 2 forwards to 3
+    assert d[0]["bytes_received"] == d[1]["bytes_received"] == 0
+
+
+@pytest.mark.slow
+def test_a_change_after_the_commit_is_sent_live(chain_run):
+    r0, r1, r2, r3 = chain_run
+    assert r0["changed"]["params"] != r0["trained"]["params"]          # the holders' change
+    for r in (r2, r3):
+        assert r["changed"]["params"] == r0["changed"]["params"]       # reached the newcomers
+    d = [r["changed_delta"] for r in chain_run]
+    assert d[0]["bytes_sent"] == d[2]["bytes_received"] > 0            # the root alone sends
+    assert d[1]["bytes_sent"] == 0

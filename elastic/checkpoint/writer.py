@@ -1,10 +1,13 @@
 """Writing one checkpoint (format: format.py) straight from snapshot buffers.
 
-Phase 1 reads the tensors: this thread hashes each one while an I/O thread
-writes and fsyncs the previous new blob to a temp file, so hashing overlaps the
-disk. A tensor whose content already has a blob is only hashed. Phase 2 makes
-the checkpoint visible: rename the blobs, fsync their directory, then write,
-fsync and rename the manifest, and fsync the checkpoint directory. A crash at
+Phase 1 reads the tensors: this thread hashes each one (xxh3-128, format.py)
+while an I/O thread writes the previous new blob to a temp file and starts its
+writeback, so hashing overlaps the disk; the I/O thread fsyncs them all at the
+end, by which time most of the data is on its way (one fsync per blob as it is
+written would wait for the disk blob by blob). A tensor whose content already
+has a blob is only hashed. Phase 2 makes the checkpoint visible: rename the
+blobs, fsync their directory, then write, fsync and rename the manifest, and
+fsync the checkpoint directory. A crash at
 any point leaves at most temp files and unreferenced blobs, never a manifest
 that names a missing or partial file.
 """
@@ -25,9 +28,9 @@ from elastic.checkpoint.format import (
     FORMAT,
     SMALL_BYTES,
     blob_path,
+    content_name,
     encode_manifest,
     manifest_path,
-    sha256_hex,
 )
 
 
@@ -77,7 +80,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
                     offsets[i] = len(pack)
                     pack.extend(view)
                     done(i)
-            pack_name = sha256_hex(pack) if offsets else None
+            pack_name = content_name(pack) if offsets else None
             if hold_s:
                 time.sleep(hold_s)
             entries = []
@@ -85,7 +88,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
                 if i in offsets:
                     name, offset = pack_name, offsets[i]
                 else:
-                    name, offset = sha256_hex(view), 0
+                    name, offset = content_name(view), 0
                     put(name, view, i)
                 entries.append({"blob": name, "offset": offset, "nbytes": view.nbytes,
                                 "dtype": str(t.dtype).replace("torch.", ""),
@@ -94,7 +97,7 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
             if offsets:
                 put(pack_name, pack)
             skeleton_bytes = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
-            skeleton_name = sha256_hex(skeleton_bytes)
+            skeleton_name = content_name(skeleton_bytes)
             put(skeleton_name, skeleton_bytes)
         finally:
             io.join()                   # the I/O thread may still read a tensor
@@ -133,13 +136,15 @@ def write_checkpoint(directory, version, skeleton, tensors, released=None, info=
 
 
 class _IOThread:
-    """Writes temp files in order on one thread (inline where no thread can start)."""
+    """Writes temp files in order on one thread (inline where no thread can start),
+    then fsyncs them all when joined."""
 
     def __init__(self, done, mode):
         self._done = done
         self._mode = mode
         self._queue = queue.Queue()
         self._error = None
+        self._unsynced = []
         self._thread = threading.Thread(target=self._run, name="elastic-checkpoint-io",
                                         daemon=True)
         try:
@@ -158,7 +163,17 @@ class _IOThread:
             self._done(index)       # skipped after an error; the tensor is free anyway
             return
         try:
-            _write_file(path, data, done=lambda: self._done(index), mode=self._mode)
+            _write_file(path, data, done=lambda: self._done(index), mode=self._mode,
+                        durable=False)
+            self._unsynced.append(path)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by raise_error()
+            self._error = exc
+
+    def _sync_all(self):
+        try:
+            for path in self._unsynced:
+                if self._error is None:
+                    _fsync_path(path)
         except BaseException as exc:  # noqa: BLE001 - re-raised by raise_error()
             self._error = exc
 
@@ -166,6 +181,7 @@ class _IOThread:
         while True:
             item = self._queue.get()
             if item is None:
+                self._sync_all()
                 return
             self._write(*item)
 
@@ -173,6 +189,8 @@ class _IOThread:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        else:
+            self._sync_all()
 
     def raise_error(self):
         if self._error is not None:
@@ -188,8 +206,9 @@ def byte_view(t):
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def _write_file(path, data, done, mode=storage.FILE_MODE):
-    """Write, call ``done()`` (the data is no longer read), then fsync."""
+def _write_file(path, data, done, mode=storage.FILE_MODE, durable=True):
+    """Write, call ``done()`` (the data is no longer read), then fsync; or, when not
+    ``durable``, only start the writeback (the caller fsyncs later)."""
     fd = storage.create_file(path, mode)
     try:
         try:
@@ -200,7 +219,11 @@ def _write_file(path, data, done, mode=storage.FILE_MODE):
         finally:
             if done is not None:
                 done()
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
+        elif hasattr(os, "posix_fadvise"):
+            # Linux starts writing the dirty pages back on DONTNEED, without waiting.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

@@ -11,6 +11,7 @@ flat form, so a sync sends a snapshot's flats as they are.
 import copy
 import ctypes
 import ctypes.util
+import hashlib
 import pickle
 import sys
 
@@ -84,6 +85,7 @@ class Snapshot:
         self._views = []      # per tensor: its view into the flats, as allocated
         self._layout = []     # per tensor: (dtype name, shape, offset in its dtype's flat)
         self._specs = []      # per flat: (dtype name, numel)
+        self._sources = None  # per tensor: the live tensor it was saved from (see ``unchanged``)
 
     @property
     def empty(self):
@@ -110,6 +112,35 @@ class Snapshot:
         # buffers: one synchronize per device where tensors live, not only the current one.
         synchronize_devices(tensors)
         self.skeleton = skeleton
+        self.remember(tensors)
+
+    # -- has the live state changed since? ------------------------------------------------------
+    def remember(self, tensors):
+        """Note the live tensors that now equal the snapshot (after a save or a restore).
+
+        Each is kept with its address and its version counter, which every in-place
+        operation bumps (optimizer steps, ``copy_``, ``load_state_dict``). Holding the
+        tensor keeps its memory from being reused by another one.
+        """
+        self._sources = [(t, _fingerprint(t)) for t in tensors]
+
+    def unchanged(self, tensors):
+        """Whether ``tensors`` (a fresh capture of the live state, in the order saved) are
+        the very tensors remembered, modified by no in-place operation since, and the
+        flats still hold the snapshot: then the flats can be sent for them.
+
+        Blind spot: a write through ``.data`` (a separate version counter) is not seen;
+        reset callbacks that change tensors that way should call ``state.save()``.
+        """
+        src = self._sources
+        if src is None or not self.intact or len(src) != len(tensors):
+            return False
+        return all(fp is not None and _fingerprint(t) == fp for t, (_old, fp) in zip(tensors, src))
+
+    def layout_id(self):
+        """A 62-bit id of the flats' layout: equal ids mean byte ranges line up across ranks."""
+        digest = hashlib.blake2b(repr((self._layout, self._specs)).encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "little") >> 2
 
     def materialize(self, shared=False):
         """A tree of fresh tensors, so the live state never aliases the snapshot.
@@ -124,10 +155,11 @@ class Snapshot:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     # -- transfers ----------------------------------------------------------------------------
-    def header(self):
-        """The bytes that describe ``flats()`` to a receiver (the format of ``pack``)."""
-        return pickle.dumps({"skeleton": self.skeleton, "layout": self._layout,
-                             "flats": self._specs})
+    def header(self, skeleton=None):
+        """The bytes that describe ``flats()`` to a receiver (the format of ``pack``);
+        ``skeleton``: the live one, when it differs (a reset callback changed an lr)."""
+        return pickle.dumps({"skeleton": self.skeleton if skeleton is None else skeleton,
+                             "layout": self._layout, "flats": self._specs})
 
     def flats(self):
         """The flat buffers, or None while they do not hold the snapshot (see ``intact``)."""
@@ -147,6 +179,7 @@ class Snapshot:
     def install(self, header, flats):
         """Make the received ``flats`` (from ``receive_buffers``) this snapshot."""
         meta = pickle.loads(header)
+        self._sources = None            # the live state is loaded (and remembered) after this
         if not (len(flats) == len(self._flats) and all(
                 a is b for a, b in zip(flats, self._flats))):
             self._set_flats(meta["layout"], meta["flats"], flats)
@@ -196,6 +229,13 @@ def _advise_huge_pages(t):
     except Exception:  # noqa: BLE001 - only an optimization
         pass
     return t
+
+
+def _fingerprint(t):
+    try:
+        return (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride(), t.device)
+    except RuntimeError:        # inference tensors have no version counter
+        return None
 
 
 def host_empty(numel, dtype, pin=False):

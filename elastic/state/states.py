@@ -10,15 +10,17 @@ by a dummy step, so weight decay cannot nudge the weights.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import torch
 
+from elastic import protocol
 from elastic.exceptions import HostsUpdatedInterrupt
-from elastic.state import handlers
+from elastic.state import handlers, transfer
 from elastic.state.snapshot import Snapshot, host_clone, join, pack, split
 from elastic.worker import collectives, runtime
-from elastic.worker.waiting import issue, wait
+from elastic.worker.waiting import run_blocking
 
 _UNCOMMITTED = -1
 
@@ -93,6 +95,7 @@ class State:
     def restore(self) -> None:
         if not self._snapshot.empty:
             self.apply(self._snapshot.materialize())
+            self._remember_live()
 
     def check_host_updates(self) -> None:
         """One tiny collective, so every rank raises at the same commit."""
@@ -113,22 +116,27 @@ class State:
         if w is None:
             self._after_sync(max(self._version, 0))
             return
-        versions = collectives.allgather(torch.tensor([self._version], dtype=torch.int64)).tolist()
-        newest = max(versions)
-        receivers = [r for r, v in enumerate(versions) if v != newest]
-        if newest == _UNCOMMITTED:
-            root, receivers = 0, list(range(1, len(versions)))
-        else:
-            root = versions.index(newest)
-        self.sync_stats["root"] = root
+        live = split(self.capture()) if self._version != _UNCOMMITTED else None
+        ready = live is not None and self._snapshot.unchanged(live[1])
+        mine = [self._version, int(ready), self._snapshot.layout_id() if ready else 0,
+                _max_senders()]
+        infos = collectives.allgather(torch.tensor([mine], dtype=torch.int64)).tolist()
+        newest = max(v for v, *_ in infos)
+        holders = [r for r, (v, *_) in enumerate(infos) if v == newest]
+        rt = transfer.route([tuple(i[:3]) for i in infos], infos[holders[0]][3])
+        self.sync_stats["root"] = rt.root if rt is not None else holders[0]
         me = w.membership.rank
-        if receivers and me == root:
-            self._send(receivers)
-        elif me in receivers:
-            self._receive(root)
+        if rt is not None and me in rt.senders:
+            self._send(rt, me, live if ready else None)
+        elif rt is not None and me in rt.receivers:
+            self._receive(rt, me)
         self._after_sync(max(newest, 0))
 
-    # -- internals ------------------------------------------------------------------
+    # -- internals ------------------------------------------------------------------------------
+    def _remember_live(self):
+        """The live state now equals the snapshot: a later sync may send the snapshot for it."""
+        self._snapshot.remember(split(self.capture())[1])
+
     def _after_sync(self, version):
         """Ranks that already held the newest commit keep their snapshot, and receivers
         received straight into theirs (``_receive``): no copy either way."""
@@ -136,31 +144,34 @@ class State:
         if self._snapshot.empty:
             self.save()
 
-    def _send(self, receivers):
-        """Send the live state, flattened per dtype, to every receiver at once.
+    def _send(self, rt, me, live):
+        """Send this rank's share of the commit down the receivers' chain.
 
-        Live, not the snapshot: reset callbacks (an lr rescaled for the new world
-        size, say) run after the last commit, and the newcomer must see their effect.
+        ``live``: the (skeleton, tensors) just captured, when the tensors are unchanged
+        since the commit: then the snapshot's flats go as they are, with the live
+        skeleton (reset callbacks, an lr rescaled for the new world size, say, run after
+        the commit and the newcomers must see their effect). Otherwise (only the root
+        gets here then) the live state is packed into fresh buffers first.
         """
-        header, flats = pack(self.capture())
-        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        length = torch.tensor([header_t.numel()], dtype=torch.int64)
-        w = runtime.worker()
-        for tensor in [length, header_t] + [f for f in flats if f.numel()]:
-            works = [issue(lambda t=tensor, d=dst: w.cpu_group.send([t], d, 0), "send")
-                     for dst in receivers]
-            for work in works:
-                wait(work, "send", w)
-            if tensor.numel() and tensor is not length and tensor is not header_t:
-                self.sync_stats["bytes_sent"] += \
-                    tensor.numel() * tensor.element_size() * len(receivers)
+        if live is not None:
+            header, flats = self._snapshot.header(live[0]), self._snapshot.flats()
+        else:
+            header, flats = pack(self.capture())
+        group = runtime.worker().cpu_group
 
-    def _receive(self, root):
+        def send():
+            if me == rt.root:
+                transfer.relay_header(group, header, rt, me)
+            return transfer.send_share(group, flats, rt, me)
+        self.sync_stats["bytes_sent"] += run_blocking(send, "state send", runtime.worker())
+
+    def _receive(self, rt, me):
         """Receive into the snapshot's own flat buffers when the layout matches (memory
-        already touched), else into new ones; then load the live objects from it."""
-        length = collectives.recv(torch.zeros(1, dtype=torch.int64), root)
-        header_t = collectives.recv(torch.empty(int(length), dtype=torch.uint8), root)
-        header = header_t.numpy().tobytes()
+        already touched), else into new ones, forwarding each chunk down the chain as it
+        lands; then load the live objects from the snapshot."""
+        group = runtime.worker().cpu_group
+        header = run_blocking(
+            lambda: transfer.relay_header(group, None, rt, me), "state header", runtime.worker())
         snap = self._snapshot
         if self._checkpoint is not None:
             self._checkpoint.before_save(self)   # never receive into what the writer reads
@@ -169,10 +180,9 @@ class State:
         in_place = own is not None and len(own) == len(flats) and all(
             a is b for a, b in zip(own, flats))
         try:
-            for flat in flats:
-                if flat.numel():
-                    collectives.recv(flat, root)
-                    self.sync_stats["bytes_received"] += flat.numel() * flat.element_size()
+            got, forwarded = run_blocking(
+                lambda: transfer.receive_and_forward(group, flats, rt, me), "state receive",
+                runtime.worker())
         except BaseException:
             if in_place:
                 # The snapshot is partly overwritten (and an abandoned receive may still
@@ -183,8 +193,19 @@ class State:
                 if was_committed:
                     self.save()
             raise
+        self.sync_stats["bytes_received"] += got
+        self.sync_stats["bytes_sent"] += forwarded
         snap.install(header, flats)
         self.restore()
+
+
+def _max_senders():
+    """Most ranks that stripe one sync (ELASTIC_SYNC_MAX_SENDERS, default 8); the value
+    of the first rank holding the newest commit counts, so all ranks agree."""
+    try:
+        return max(1, int(os.environ.get(protocol.ENV_SYNC_MAX_SENDERS, "8")))
+    except ValueError:
+        return 8
 
 
 class ObjectState(State):
@@ -280,6 +301,7 @@ class TorchState(ObjectState):
                 if not (kind == "state_dict" and self._shares(name)):
                     objects[name] = (kind, _cloned(value))
             self.apply(tree)
+            self._remember_live()
         for handler in self._horovod.values():
             handler.restore()
 

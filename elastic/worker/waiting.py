@@ -68,3 +68,36 @@ def wait(work: Any, what: str = "collective", worker: Worker | None = None) -> N
             work.wait()
     except Exception as exc:  # noqa: BLE001 - any backend failure means a peer is gone
         raise WorkersDepartedError(f"{what} failed: {exc}") from exc
+
+
+def run_blocking(fn: Callable[[], Any], what: str, worker: Worker | None = None) -> Any:
+    """Run ``fn`` (which blocks on gloo work) on a helper thread and wait for it in
+    slices that watch ``worker``'s abort key; return what it returns.
+
+    For point-to-point work, which cannot be waited on in slices itself. On an abort
+    the thread is left behind, blocked on the round's group, which is abandoned anyway.
+    """
+    w = worker
+    box, done = {}, threading.Event()
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, daemon=True, name="elastic-transfer").start()
+    deadline = time.monotonic() + (w.collective_timeout if w else DEFAULT_TIMEOUT_S)
+    while not done.wait(WAIT_SLICE_S):
+        if w is not None and w.round_aborted():
+            raise WorkersDepartedError(f"{what} abandoned: round {w.round_id} was aborted")
+        if time.monotonic() > deadline:
+            raise WorkersDepartedError(f"{what} timed out")
+    if "error" in box:
+        exc = box["error"]
+        if isinstance(exc, WorkersDepartedError):
+            raise exc
+        raise WorkersDepartedError(f"{what} failed: {exc}") from exc
+    return box.get("result")
