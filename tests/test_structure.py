@@ -157,3 +157,10 @@ def test_every_error_derives_from_elastic_error():
                     and f"{name}.{cls_name}" not in OUTSIDE_THE_TREE):
                 strays.append(f"{name}.{cls_name}")
     assert not strays, strays
+
+
+def test_the_ssh_bootstrap_uses_the_standard_library_only():
+    """remote.py runs under ``python -I`` on hosts that may lack torch; its copy of the
+    contract's names is checked against protocol.py in tests/test_remote.py."""
+    modules = {m.split(".")[0] for m, _ in imports(PACKAGE / "runner" / "remote.py")}
+    assert not modules & {"elastic", "torch", "numpy", "cloudpickle"}, modules
