@@ -155,10 +155,12 @@ class Checkpointer:
             if not exc.same_job:
                 # One line and a non-zero exit, not a traceback (sys.exit keeps the exit code).
                 sys.exit(f"elastic: {exc}")
+            self._retry_at = time.monotonic() + self.retry_s
             self._failed("taking the directory lock", exc)
         except DirectoryUsedTwice:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad directory must not end the worker
+            self._retry_at = time.monotonic() + self.retry_s
             self._failed("taking the directory lock", exc)
         self._resume(state)
 

@@ -64,9 +64,9 @@ class TrackedGroup:
         return issue
 
     def _record(self, work):
+        # Completed work goes at once: a work object keeps its tensors alive.
         with self._mu:
-            if len(self._works) >= 64:   # keeps the list short within a long round
-                self._works = [w for w in self._works if not w.is_completed()]
+            self._works = [w for w in self._works if not w.is_completed()]
             self._works.append(work)
 
     def drained(self):
