@@ -5,10 +5,14 @@ Everything both sides must agree on is defined here once. The stdlib-only
 ``elastic/runner/remote.py`` keeps its own copy of the few names it needs;
 ``tests/test_remote.py`` checks that they agree.
 
-Anyone who can reach the store's port can read and write keys, so every key
-lives under a namespace derived from the job secret, and every value that
-steers the job (plans, registrations) carries an HMAC bound to its key.
-Values are JSON, never pickles: nothing reachable from the network unpickles.
+Anyone who can reach the store's port can list, read, write and delete keys
+(the namespace below only keeps jobs apart). So every value anyone acts on is
+sealed (elastic/auth.py): bound to the job, its key and a sequence number. A
+value that does not verify, or an older one replayed, reads as absent, with
+one rate-limited warning; forgery is never fatal. There are no counters: an
+outsider could bump them, and ``add`` on a key holding a non-number closes the
+store connection. Values are JSON, never pickles: nothing reachable from the
+network unpickles.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from elastic.auth import Rejected, Sealer, WarnOnce, stderr_warning
 from elastic.exceptions import ElasticError
 
 # -- environment the driver sets for its workers -------------------------------------------
@@ -81,11 +87,11 @@ def env_float(name: str, default: float, environ: Mapping[str, str] | None = Non
     """A float setting from the environment."""
     return float((os.environ if environ is None else environ).get(name, default))
 
-_MAC_LEN = 64  # hex digits of a sha256 HMAC
+_REPLAY_MEMORY = 4096     # keys whose highest accepted sequence number is remembered
 
 
 class ControlError(ElasticError):
-    """A control-plane value failed authentication or could not be read."""
+    """The job secret is missing, or the control store cannot be reached."""
 
 
 def read_secret_from_env() -> bytes:
@@ -101,48 +107,122 @@ def read_secret_from_env() -> bytes:
 
 
 def connect(addr: str, port: int | str, timeout_s: float, is_master: bool = False) -> dist.TCPStore:
-    """One TCPStore connection (the driver passes is_master=True)."""
+    """One TCPStore client connection (the driver's store: see listen())."""
     return dist.TCPStore(
         addr, int(port), is_master=is_master, timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False, use_libuv=True,
     )
 
 
-class ControlStore:
-    """Signed JSON values and plain counters under the job's secret namespace."""
+def listen(addr: str, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """Host the store on ``addr`` only ("0.0.0.0"/"::" for every interface).
 
-    def __init__(self, store: dist.Store, secret: bytes | str):
+    TCPStore(host, is_master=True) listens on every interface whatever ``host``
+    says, so the listening socket is made here and handed over by its fd."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6 and addr == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            addr, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()        # the store owns the fd now
+    return store
+
+
+class ControlStore:
+    """Sealed JSON values under the job's namespace.
+
+    ``get`` returns a verified value or None; it never raises for what another
+    client wrote. ``put(..., keep=True)`` remembers the value so that ``heal()``
+    can put it back if something overwrote or deleted it: waiters on a key an
+    outsider destroyed get it back within one heal period.
+    """
+
+    def __init__(self, store: dist.Store, secret: bytes | str, warn=stderr_warning):
         if isinstance(secret, str):
             secret = secret.encode()
-        self._secret = secret
         namespace = hmac.new(secret, b"elastic-namespace", hashlib.sha256).hexdigest()[:32]
         self.raw = dist.PrefixStore(namespace + "/", store)
+        self.sealer = Sealer(secret, job=namespace)
+        self.rejected = WarnOnce(warn)
+        self._highest = {}
+        self._kept = {}
 
-    def _mac(self, key: str, payload: bytes) -> str:
-        return hmac.new(self._secret, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest()
+    def put(self, key, value, keep=False):
+        blob = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())
+        if keep:
+            self._kept[key] = blob
+        self.raw.set(key, blob)
 
-    def put(self, key: str, value: Any) -> None:
-        payload = json.dumps(value, sort_keys=True).encode()
-        self.raw.set(key, self._mac(key, payload).encode() + payload)
+    def forget(self, key):
+        """Stop healing ``key`` (its value stays)."""
+        self._kept.pop(key, None)
 
-    def get(self, key: str) -> Any:
-        """The verified value of ``key``, or None when it is not set yet."""
+    def get(self, key):
+        """The verified value of ``key``; None when absent, forged or replayed."""
         if not self.raw.check([key]):
             return None
-        blob = bytes(self.raw.get(key))
-        mac, payload = blob[:_MAC_LEN], blob[_MAC_LEN:]
-        if not hmac.compare_digest(mac, self._mac(key, payload).encode()):
-            raise ControlError(f"control key {key!r} failed authentication")
-        return json.loads(payload)
+        return self._verify(key, bytes(self.raw.get(key)))
 
-    def has(self, key: str) -> bool:
+    def get_many(self, keys):
+        """{key: verified value or None}, in one round trip when all exist."""
+        keys = list(keys)
+        if keys and self.raw.check(keys):
+            return {k: self._verify(k, bytes(b)) for k, b in zip(keys, self.raw.multi_get(keys))}
+        return {k: self.get(k) for k in keys}
+
+    def has(self, key):
+        return self.get(key) is not None
+
+    def present(self, key):
+        """Whether anything at all is stored under ``key`` (verified or not)."""
         return self.raw.check([key])
 
-    def add(self, key: str, amount: int = 1) -> int:
-        return int(self.raw.add(key, amount))
+    def heal(self):
+        """Put back every kept value that is missing or was overwritten."""
+        kept = list(self._kept.items())
+        if not kept:
+            return 0
+        keys = [k for k, _ in kept]
+        if self.raw.check(keys):
+            now = [bytes(b) for b in self.raw.multi_get(keys)]
+        else:
+            now = [bytes(self.raw.get(k)) if self.raw.check([k]) else None for k in keys]
+        healed = 0
+        for (key, blob), current in zip(kept, now):
+            if current != blob:
+                self.raw.set(key, blob)
+                healed += 1
+        return healed
 
-    def counter(self, key: str) -> int:
-        return self.add(key, 0)
+    def _verify(self, key, blob):
+        if not blob:
+            return None
+        try:
+            seq, payload = self.sealer.open(key, blob)
+            value = json.loads(payload)
+        except (Rejected, ValueError) as exc:
+            self.rejected(key, str(exc) if isinstance(exc, Rejected) else "payload is not JSON")
+            return None
+        highest = self._highest.get(key, 0)
+        if seq < highest:
+            self.rejected(key, "an older value replayed")
+            return None
+        if seq > highest:
+            if len(self._highest) >= _REPLAY_MEMORY:
+                for old in list(self._highest)[:_REPLAY_MEMORY // 2]:
+                    del self._highest[old]
+            self._highest[key] = seq
+        return value
 
 
 class Keys:
@@ -159,13 +239,19 @@ class Keys:
         return f"round/{round_id}/abort"
 
     @staticmethod
-    def joined(round_id: int | str) -> str:
-        return f"round/{round_id}/joined"
+    def joined(round_id: int | str, worker_id: int | str) -> str:
+        """A member arrived at the round (each member waits for all of them)."""
+        return f"round/{round_id}/joined/{worker_id}"
 
     @staticmethod
     def failures(round_id: int | str) -> str:
-        """Counter that workers bump when a collective of this round failed."""
+        """Doorbell: the last worker that saw a collective of this round fail."""
         return f"round/{round_id}/failures"
+
+    @staticmethod
+    def failed(round_id: int | str, worker_id: int | str) -> str:
+        """Each worker's own report that a collective of this round failed."""
+        return f"round/{round_id}/failed/{worker_id}"
 
     @staticmethod
     def pause(round_id: int | str) -> str:

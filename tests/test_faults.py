@@ -253,8 +253,9 @@ def test_a_worker_of_an_older_round_is_fenced_out(tmp_path):
         assert {r["size"] for r in records if r["round"] == 2} == {1}
 
         # Nobody but the planned members ever joined a round.
-        assert cs.counter(Keys.joined(1)) == 2
-        assert cs.counter(Keys.joined(2)) == 1
+        assert cs.has(Keys.joined(1, "A")) and cs.has(Keys.joined(1, "B"))
+        assert cs.has(Keys.joined(2, "B")) and not cs.present(Keys.joined(2, "A"))
+        assert not any(cs.present(Keys.joined(r, "stranger")) for r in (1, 2))
         alive_or_fail(stranger)
         assert _records(out, "stranger") == []
         assert "not a member" not in stranger.stderr()

@@ -35,14 +35,14 @@ def test_fds_threads_rss_stay_bounded_over_100_membership_changes(tmp_path):
             if abort:
                 (out / "slow").touch()
                 job.abort(round_id - 1)
-                job.wait_for(lambda: cs.counter(Keys.failures(round_id - 1)) > 0,
+                job.wait_for(lambda: cs.has(Keys.failures(round_id - 1)),
                              f"round {round_id - 1} to fail")
                 (out / "slow").unlink()
             job.publish(round_id)
             # Rank 0 reports the pause once the round formed and synced: training resumed.
             job.wait_for(lambda: cs.has(Keys.pause(round_id)), f"round {round_id}")
 
-        job.wait_for(lambda: cs.counter(Keys.joined(1)) >= 2, "round 1")
+        job.wait_for(lambda: all(cs.has(Keys.joined(1, w)) for w in job.ids), "round 1")
         change(2, abort=False)
         first = resources(rank0)
         readings = [first]

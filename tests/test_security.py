@@ -24,7 +24,7 @@ from procs import cmdline as _cmdline
 from procs import job_workers
 
 from elastic import protocol as control
-from elastic.protocol import ControlError, ControlStore, Keys
+from elastic.protocol import ControlStore, Keys
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ def test_the_store_port_alone_does_not_reveal_the_plan(tmp_path):
     assert job.finish() == 0, job.output()[-3000:]
 
 
-# -- b. forged values are rejected ----------------------------------------------------------------
+# -- b. forged values read as absent, never as an error -----------------------------------------
 @pytest.fixture
 def store():
     master = control.connect("127.0.0.1", free_port(), 30, is_master=True)
@@ -89,8 +89,13 @@ def store():
     del master
 
 
-def test_a_tampered_value_is_rejected(store):
-    cs = ControlStore(store, "secret-x")
+def quiet_store(store, secret="secret-x"):
+    warnings = []
+    return ControlStore(store, secret, warn=warnings.append), warnings
+
+
+def test_a_tampered_value_reads_as_absent_with_one_warning(store):
+    cs, warnings = quiet_store(store)
     plan = {"round": 1, "members": [{"worker_id": "0", "rank": 0}]}
     cs.put(Keys.plan(1), plan)
     assert cs.get(Keys.plan(1)) == plan
@@ -98,46 +103,80 @@ def test_a_tampered_value_is_rejected(store):
     tampered = blob.replace(b'"worker_id": "0"', b'"worker_id": "9"')
     assert tampered != blob
     cs.raw.set(Keys.plan(1), tampered)
-    with pytest.raises(ControlError):
-        cs.get(Keys.plan(1))
-    # A flipped MAC digit, a bare payload without a MAC, and an empty value as well.
+    assert cs.get(Keys.plan(1)) is None
+    # A flipped MAC digit, a bare payload without a MAC, garbage, and an empty value as well.
     flipped = (b"0" if blob[:1] != b"0" else b"1") + blob[1:]
-    for bad in (flipped, blob[64:], b""):
+    for bad in (flipped, blob[65:], b"\x00" * 64 + b"{}", b"garbage", b""):
         cs.raw.set(Keys.plan(1), bad)
-        with pytest.raises(ControlError):
-            cs.get(Keys.plan(1))
+        assert cs.get(Keys.plan(1)) is None
+        assert not cs.has(Keys.plan(1))
+    assert len(warnings) == 1 and "round/1/plan" in warnings[0], warnings
+    assert cs.rejected.count == 1 + 4 * 2   # every read of a forgery counts; empty is just absent
+    cs.put(Keys.plan(1), plan)         # the real writer's value is taken again
+    assert cs.get(Keys.plan(1)) == plan
 
 
 def test_a_value_signed_for_one_key_is_rejected_under_another(store):
-    cs = ControlStore(store, "secret-x")
+    cs, _ = quiet_store(store)
     cs.put(Keys.plan(1), {"round": 1, "members": []})
     cs.put(Keys.LATEST_ROUND, {"round": 1})
     # Replay round 1's signed plan as round 2's, and the latest-round pointer as a plan.
     cs.raw.set(Keys.plan(2), bytes(cs.raw.get(Keys.plan(1))))
-    with pytest.raises(ControlError):
-        cs.get(Keys.plan(2))
+    assert cs.get(Keys.plan(2)) is None
     cs.raw.set(Keys.plan(3), bytes(cs.raw.get(Keys.LATEST_ROUND)))
-    with pytest.raises(ControlError):
-        cs.get(Keys.plan(3))
+    assert cs.get(Keys.plan(3)) is None
+
+
+def test_an_older_value_replayed_is_rejected(store):
+    cs, warnings = quiet_store(store)
+    cs.put(Keys.LATEST_ROUND, {"round": 1})
+    old = bytes(cs.raw.get(Keys.LATEST_ROUND))
+    assert cs.get(Keys.LATEST_ROUND) == {"round": 1}
+    cs.put(Keys.LATEST_ROUND, {"round": 2})
+    assert cs.get(Keys.LATEST_ROUND) == {"round": 2}
+    cs.raw.set(Keys.LATEST_ROUND, old)                  # a correctly signed, older value
+    assert cs.get(Keys.LATEST_ROUND) is None
+    assert "older value replayed" in warnings[0]
+    heartbeat = Keys.heartbeat("3")
+    cs.put(heartbeat, {"beat": 1})
+    first = bytes(cs.raw.get(heartbeat))
+    cs.put(heartbeat, {"beat": 2})
+    assert cs.get(heartbeat) == {"beat": 2}
+    cs.raw.set(heartbeat, first)
+    assert cs.get(heartbeat) is None                    # nobody beats for a dead worker
 
 
 def test_a_value_signed_with_another_secret_is_rejected(store):
-    mine, theirs = ControlStore(store, "secret-x"), ControlStore(store, "secret-y")
+    mine, _ = quiet_store(store, "secret-x")
+    theirs, _ = quiet_store(store, "secret-y")
     theirs.put(Keys.LATEST_ROUND, {"round": 99})
     assert mine.get(Keys.LATEST_ROUND) is None          # another namespace
     # Even written straight into our namespace, their signature does not verify.
     mine.raw.set(Keys.LATEST_ROUND, bytes(theirs.raw.get(Keys.LATEST_ROUND)))
-    with pytest.raises(ControlError):
-        mine.get(Keys.LATEST_ROUND)
+    assert mine.get(Keys.LATEST_ROUND) is None
 
 
 def test_a_value_with_non_ascii_bytes_in_the_mac_is_rejected_cleanly(store):
-    cs = ControlStore(store, "secret-x")
+    cs, _ = quiet_store(store)
     cs.put(Keys.LATEST_ROUND, {"round": 1})
     blob = bytes(cs.raw.get(Keys.LATEST_ROUND))
     cs.raw.set(Keys.LATEST_ROUND, b"\xff" + blob[1:])
-    with pytest.raises(ControlError):
-        cs.get(Keys.LATEST_ROUND)
+    assert cs.get(Keys.LATEST_ROUND) is None
+
+
+def test_kept_values_are_put_back_after_overwrite_or_delete(store):
+    cs, _ = quiet_store(store)
+    cs.put(Keys.LATEST_ROUND, {"round": 4}, keep=True)
+    cs.put(Keys.plan(4), {"round": 4, "members": []}, keep=True)
+    assert cs.heal() == 0
+    cs.raw.set(Keys.LATEST_ROUND, b"garbage")
+    cs.raw.delete_key(Keys.plan(4))
+    assert cs.heal() == 2
+    assert cs.get(Keys.LATEST_ROUND) == {"round": 4}
+    assert cs.get(Keys.plan(4)) == {"round": 4, "members": []}
+    cs.forget(Keys.plan(4))
+    cs.raw.delete_key(Keys.plan(4))
+    assert cs.heal() == 0 and cs.get(Keys.plan(4)) is None
 
 
 # -- c. a worker with the wrong secret cannot join ----------------------------------------------------
@@ -220,5 +259,22 @@ def test_control_values_are_json_on_the_wire(store):
     cs = ControlStore(store, "secret-x")
     cs.put(Keys.plan(1), {"round": 1, "members": []})
     blob = bytes(cs.raw.get(Keys.plan(1)))
-    assert json.loads(blob[64:]) == {"round": 1, "members": []}
-    assert not blob[64:].startswith(b"\x80")      # not a pickle protocol header
+    payload = blob.split(b".", 2)[2]
+    assert json.loads(payload) == {"round": 1, "members": []}
+    assert not payload.startswith(b"\x80")      # not a pickle protocol header
+
+
+# -- e. the data plane: this torch build has no TLS transport for gloo -------------------------------
+def test_this_torch_build_offers_no_gloo_tls_transport():
+    """What the README's trust model says: GLOO_DEVICE_TRANSPORT=TCP_TLS is not built in
+    (the plain TCP transport is). If a torch build ever has it, this fails: expose it then."""
+    code = ("import torch.distributed as d\n"
+            "try:\n    d.ProcessGroupGloo.create_device(interface='lo'); print('built')\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    seen = {}
+    for transport in ("TCP", "TCP_TLS"):
+        env = dict(os.environ, GLOO_DEVICE_TRANSPORT=transport)
+        seen[transport] = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                                         capture_output=True, timeout=120).stdout.strip()
+    assert seen["TCP"] == "built", seen
+    assert "unsupported gloo device" in seen["TCP_TLS"], seen

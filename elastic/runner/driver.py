@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from elastic import protocol as control
 from elastic.exceptions import ElasticError
-from elastic.protocol import ControlStore, Keys
+from elastic.protocol import Keys
 from elastic.runner import launcher
+from elastic.runner.control_plane import DriverControl
 from elastic.runner.decisions import (
     Abort,
     Evict,
@@ -45,7 +46,8 @@ from elastic.runner.policy import decide
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05
-HEARTBEAT_CHECK_S = 0.5     # heartbeat counters are read this often
+HEARTBEAT_CHECK_S = 0.5     # heartbeats are read this often
+ABORTS_KEPT = 3             # aborts of this many recent rounds are kept in place
 
 
 class JobFailed(ElasticError):
@@ -131,19 +133,22 @@ class Driver:
 
     # -- entry point ----------------------------------------------------------------
     def run(self):
+        serving = self.cfg.backend is not None     # agents join from other hosts
+        if not serving:
+            self._first_discovery()                 # the hosts decide where to listen
         try:
-            store = control.connect("0.0.0.0", self.cfg.port, 30, is_master=True)
-        except RuntimeError as exc:
+            self.plane = DriverControl(self.hosts.discovered(), self._local_names, self.secret,
+                                       self.cfg.network_interface, serving, self.cfg.port)
+        except (OSError, RuntimeError) as exc:
             raise JobFailed(f"cannot listen on port {self.cfg.port}: "
                             f"{' '.join(str(exc).split())[:200]}") from None
-        self.store_port = store.port
-        self.control = ControlStore(store, self.secret)
+        self.store_port, self.control = self.plane.port, self.plane.store
         self.reporter = RoundReporter(self.events, self.control)
-        if self.cfg.backend is not None:
+        if serving:
             self.cfg.backend.attach(self.store_port, self.secret, self.sink)
             log.info("serving on port %d: waiting for agents (elasticrun --join)",
                      self.store_port)
-        self._first_discovery()
+            self._first_discovery()
         background = BackgroundDiscovery(self.cfg.discovery, self.cfg.discovery_interval)
         background.start()
         try:
@@ -155,6 +160,7 @@ class Driver:
                     if outcome is not None:
                         return outcome
                 self.reporter.poll(now)
+                self.plane.heal(now)
                 time.sleep(TICK_S)
         finally:
             background.stop(timeout=1.0)
@@ -211,15 +217,17 @@ class Driver:
         checked = now - self._last_heartbeat_check >= HEARTBEAT_CHECK_S
         if checked:
             self._last_heartbeat_check = now
-            for w in self.workers.values():
-                if not w.stopped:
-                    beat = self.control.counter(Keys.heartbeat(w.worker_id))
-                    if beat != w.heartbeat:
-                        w.heartbeat, w.heartbeat_at = beat, now
+            live = [w for w in self.workers.values() if not w.stopped]
+            beats = self.plane.heartbeats([w.worker_id for w in live])
+            for w in live:
+                beat = beats[w.worker_id]      # forged or replayed beats read as None
+                if beat is not None and beat != w.heartbeat:
+                    w.heartbeat, w.heartbeat_at = beat, now
         job = self.job
         reports = 0
         if job.round_id and job.round_id not in job.aborted and job.final_round is None:
-            reports = self.control.counter(Keys.failures(job.round_id))
+            reports = int(self.plane.failure_reported(job.round_id,
+                                                      job.rounds.get(job.round_id, ())))
         return Facts(job=job, limits=self.limits, hosts=self.hosts,
                      workers={wid: w.view() for wid, w in self.workers.items()},
                      exits=tuple(exits), liveness_checked=checked, failure_reports=reports)
@@ -229,6 +237,7 @@ class Driver:
         """Do what ``action`` says; returns the job's exit code once it is over."""
         self.job = evolve(self.job, action)
         if isinstance(action, Spawn):
+            self.plane.announce()      # where the workers connect, said once they start
             proc = self._launch(action.worker_id, action.host, action.assignment)
             self.workers[action.worker_id] = WorkerRecord(
                 action.worker_id, action.host, action.slot, proc, now, heartbeat_at=now)
@@ -245,7 +254,7 @@ class Driver:
             self.events.emit("host_blacklisted", host=action.host)
             self.hosts.blacklist(action.host, now)
         elif isinstance(action, Abort):
-            self.control.put(Keys.abort(action.round_id), {"round": action.round_id})
+            self.control.put(Keys.abort(action.round_id), {"round": action.round_id}, keep=True)
         elif isinstance(action, Reform):
             if action.reason:
                 log.warning("%s", action.reason)
@@ -280,7 +289,8 @@ class Driver:
     def _launch(self, wid, host, assignment):
         env = dict(self.cfg.extra_env)     # what the job sets; our own environment is added below
         env.update({
-            control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(self.store_port),
+            control.ENV_ADDR: self.plane.binding.local_connect_address(),
+            control.ENV_PORT: str(self.store_port),
             control.ENV_SECRET: self.secret, control.ENV_WORKER_ID: wid,
             "PYTHONUNBUFFERED": "1",
             control.ENV_ROUND_TIMEOUT: str(self.cfg.elastic_timeout + 120),
@@ -300,11 +310,7 @@ class Driver:
                 return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
             except OSError as exc:
                 raise JobFailed(f"cannot start {self.cfg.command[0]!r}: {exc.strerror}") from None
-        try:
-            # None: the address this machine uses towards the host, found per host.
-            store_addr = launcher.interface_ipv4(iface) if iface else None
-        except OSError as exc:
-            raise JobFailed(f"--network-interface {exc}") from None
+        store_addr = self.plane.remote_address(host)     # None: per host
         ssh = launcher.SshSettings(self.cfg.ssh_port, self.cfg.ssh_identity_file,
                                    list(self.cfg.ssh_options), self.cfg.remote_python)
         try:
@@ -316,8 +322,10 @@ class Driver:
     def _publish(self, action, now):
         r = action.round_id
         members = list(action.members)
-        self.control.put(Keys.plan(r), {"round": r, "members": members})
-        self.control.put(Keys.LATEST_ROUND, {"round": r})
+        self.control.put(Keys.plan(r), {"round": r, "members": members}, keep=True)
+        self.control.put(Keys.LATEST_ROUND, {"round": r}, keep=True)
+        self.control.forget(Keys.plan(r - 1))           # kept values: put back if overwritten
+        self.control.forget(Keys.abort(r - ABORTS_KEPT))
         self.reporter.round_started(r, members, action.change, now)
 
 

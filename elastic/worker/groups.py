@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from elastic import protocol
 from elastic.exceptions import WorkersDepartedError
-from elastic.protocol import Keys
 from elastic.worker import devices, nccl, waiting
 
 if TYPE_CHECKING:
@@ -127,15 +126,17 @@ def placement_for(membership) -> devices.Placement:
 
 
 def build_groups(worker: Worker, round_id: int,
-                 placement: devices.Placement) -> tuple[TrackedGroup, TrackedGroup]:
-    """(cpu group, device group) of ``worker``'s membership in ``round_id``.
+                 placement: devices.Placement,
+                 rendezvous: dist.Store) -> tuple[TrackedGroup, TrackedGroup]:
+    """(cpu group, device group) of ``worker``'s membership in ``round_id``, met
+    through ``rendezvous`` (the round's SignedStore).
 
     Raises WorkersDepartedError when the round is aborted or a peer never
     connects. The device group is the cpu group when NCCL is not in use; an
     NCCL group is created eagerly, bound to its device, with a finite timeout.
     """
     m = worker.membership
-    prefix = dist.PrefixStore(Keys.process_group(round_id), worker.control.raw)
+    prefix = rendezvous
     timeout = timedelta(seconds=worker.collective_timeout)
     result = {}
 

@@ -25,8 +25,10 @@ from elastic.protocol import ControlStore, Keys, env_float
 from elastic.worker import logs
 from elastic.worker.devices import PlacementError
 from elastic.worker.groups import RetiredGroups, build_groups, placement_for
+from elastic.worker.signed_store import SignedStore
 
 log = logging.getLogger(__name__)
+HEAL_EVERY_S = 0.5          # how often our kept values are checked and put back
 logs.install()
 
 
@@ -50,10 +52,13 @@ class Membership:
 
 
 class _Heartbeat(threading.Thread):
-    """Bumps a counter on its own store connection; exits the process if the driver is gone.
+    """Puts a sealed, numbered beat on its own store connection; exits the process
+    if the driver is gone.
 
     A SIGSTOPped or deadlocked worker stops heartbeating too, which is how the
-    driver tells a hung worker from a slow one.
+    driver tells a hung worker from a slow one. Beats are sealed and carry a
+    sequence number, so nobody else can beat for a dead worker (not even by
+    replaying one of its old beats).
     """
 
     def __init__(self, worker, interval):
@@ -64,12 +69,14 @@ class _Heartbeat(threading.Thread):
 
     def run(self):
         failures = 0
+        beat = 0
         conn = None
         while not self._stop.is_set():
             try:
                 if conn is None:
                     conn = self._worker.new_control_connection(timeout=5)
-                conn.add(Keys.heartbeat(self._worker.worker_id), 1)
+                beat += 1
+                conn.put(Keys.heartbeat(self._worker.worker_id), {"beat": beat})
                 failures = 0
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
                 failures += 1
@@ -108,17 +115,24 @@ class Worker:
         self.device_group = None
         self.placement = None
         self.retired_groups = RetiredGroups()
+        self._latest = 0
+        self._healed_at = 0.0
+        self._standing = set()      # our sealed reports kept in place until the next round
+        self._rendezvous = None     # the forming round's SignedStore, healed until it checks
         self._heartbeat = _Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
         self._heartbeat.start()
 
     def new_control_connection(self, timeout=None):
         store = control.connect(self._addr, self._port, timeout or self.store_timeout)
-        return ControlStore(store, self._secret)
+        return ControlStore(store, self._secret, warn=lambda msg: log.warning(msg))
 
     # -- rounds ---------------------------------------------------------------
     def latest_round(self):
+        """Only ever moves forward: an older (replayed) or unreadable value changes nothing."""
         value = self.control.get(Keys.LATEST_ROUND)
-        return int(value["round"]) if value else 0
+        if value is not None:
+            self._latest = max(self._latest, int(value["round"]))
+        return self._latest
 
     def new_round_pending(self):
         """Asked at every commit, a quiet moment to free past groups that have drained."""
@@ -138,12 +152,23 @@ class Worker:
             nccl.abort(self.device_group.group)
 
     def round_aborted(self):
+        """Whether the driver aborted our round (a sealed abort; a forged one is ignored).
+
+        While a new group forms, this is also when our rendezvous values are put
+        back if something overwrote them: peers may still need them."""
+        if self._rendezvous is not None:
+            self._rendezvous.heal()
+            self._heal_kept()
         return self.round_id > 0 and self.control.has(Keys.abort(self.round_id))
 
     def report_failure(self):
+        """Our own sealed report (kept in place until the next round), plus a doorbell."""
         if self.round_id:
             try:
-                self.control.add(Keys.failures(self.round_id), 1)
+                key = Keys.failed(self.round_id, self.worker_id)
+                self.control.put(key, {"round": self.round_id}, keep=True)
+                self._standing.add(key)
+                self.control.put(Keys.failures(self.round_id), {"worker": self.worker_id})
             except Exception:  # noqa: BLE001 - the driver notices by other means
                 pass
 
@@ -162,34 +187,52 @@ class Worker:
         """Leave the current round and block until a newer one including us forms."""
         self._drop_groups()
         if not self.registered:
-            self.control.put(Keys.ready(self.worker_id), {"pid": os.getpid()})
+            self.control.put(Keys.ready(self.worker_id), {"pid": os.getpid()}, keep=True)
+            self._standing.add(Keys.ready(self.worker_id))
             self.registered = True
         deadline = time.monotonic() + self.round_timeout
-        seen = self.round_id
+        tried = self.round_id
         while True:
             self.retired_groups.release_drained()
             latest = self.latest_round()
-            if latest > seen:
-                seen = latest
-                if self._try_round(latest, deadline):
+            if latest > tried:
+                outcome = self._try_round(latest, deadline)
+                if outcome:
+                    for key in self._standing:
+                        self.control.forget(key)
+                    self._standing.clear()
                     return self.membership
-            elif time.monotonic() > deadline:
+                if outcome is not None:
+                    tried = latest     # not a member, or aborted; None: plan not readable yet
+            if time.monotonic() > deadline:
                 raise ElasticError(f"no new round within {self.round_timeout:.0f} s")
-            else:
-                time.sleep(0.02)
+            self._heal_kept()          # our registration and failure report stay readable
+            time.sleep(0.02)
 
     def _try_round(self, round_id, deadline):
+        """True: joined. False: not for us (not a member, or aborted). None: the plan
+        is not readable (yet): try again."""
         plan = self.control.get(Keys.plan(round_id))
         if plan is None:
-            return False
+            return None
         me = next((m for m in plan["members"] if m["worker_id"] == self.worker_id), None)
         if me is None:
             if self.ever_member:
                 self._leave(f"not a member of round {round_id}; leaving the job")
             return False
-        size = len(plan["members"])
-        self.control.add(Keys.joined(round_id), 1)
-        while self.control.counter(Keys.joined(round_id)) < size:
+        try:
+            return self._enter(round_id, plan, me, deadline)
+        finally:   # every member has read our arrival, or the round is over
+            self.control.forget(Keys.joined(round_id, self.worker_id))
+
+    def _assemble(self, round_id, member_ids, deadline):
+        """Wait until every member has put its sealed arrival; False if aborted."""
+        self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
+        keys = [Keys.joined(round_id, wid) for wid in member_ids]
+        while True:
+            if self.control.raw.check(keys) and all(
+                    v is not None for v in self.control.get_many(keys).values()):
+                return True
             if self.control.has(Keys.abort(round_id)):
                 return False
             if self.latest_round() > round_id:
@@ -198,7 +241,21 @@ class Worker:
                 return False
             if time.monotonic() > deadline:
                 raise ElasticError(f"round {round_id} did not assemble in time")
+            self._heal_kept()
             time.sleep(0.005)
+
+    def _heal_kept(self):
+        """Put back our kept values (registration, arrival, failure report) where
+        something overwrote them; at most every HEAL_EVERY_S."""
+        now = time.monotonic()
+        if now - self._healed_at >= HEAL_EVERY_S:
+            self._healed_at = now
+            self.control.heal()
+
+    def _enter(self, round_id, plan, me, deadline):
+        size = len(plan["members"])
+        if not self._assemble(round_id, [m["worker_id"] for m in plan["members"]], deadline):
+            return False
         self.round_id = round_id
         self.membership = Membership(
             rank=me["rank"], size=size, local_rank=me["local_rank"], local_size=me["local_size"],
@@ -208,12 +265,17 @@ class Worker:
         if self.placement.device is not None:
             # The current CUDA device is per thread: set it where training runs.
             torch.cuda.set_device(self.placement.device)
+        self._rendezvous = SignedStore(self.control, Keys.process_group(round_id),
+                                       self.collective_timeout)
         try:
-            self.cpu_group, self.device_group = build_groups(self, round_id, self.placement)
+            self.cpu_group, self.device_group = build_groups(self, round_id, self.placement,
+                                                             self._rendezvous)
         except WorkersDepartedError:
             self.report_failure()
             self._drop_groups()
             return False
+        finally:
+            self._rendezvous = None
         if not self.ever_member:
             self.membership.export()
         self.ever_member = True

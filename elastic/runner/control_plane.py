@@ -1,0 +1,70 @@
+"""The driver's side of the control store: where it listens, what it reads, and
+keeping its own values in place (elastic/auth.py says why values are sealed)."""
+
+import logging
+
+from elastic import protocol as control
+from elastic.protocol import ControlStore, Keys
+from elastic.runner import binding
+
+log = logging.getLogger("elasticrun")
+HEAL_EVERY_S = 0.5        # put back the driver's own keys if someone overwrote them
+
+
+class DriverControl:
+    """One store, bound only where the job needs it (binding.py)."""
+
+    def __init__(self, hosts, names, secret, network_interface=None, serving=False, port=0):
+        """OSError / RuntimeError: the store cannot listen."""
+        self.binding = binding.choose(hosts, names, network_interface, serving=serving)
+        store = control.listen(self.binding.address, 30, port=port)
+        self.port = store.port
+        self.store = ControlStore(store, secret, warn=log.warning)
+        self._names = names
+        self._healed_at = 0.0
+        self._unreachable_warned = set()
+        self._announced = False
+
+    def describe(self):
+        return f"control store listening on {self.binding.address}:{self.port} " \
+               f"({self.binding.reason})"
+
+    def announce(self):
+        """Log where the store listens, once (not before workers need it: a job that
+        fails before starting any keeps its one error line)."""
+        if not self._announced:
+            self._announced = True
+            log.info("%s", self.describe())
+
+    def heal(self, now):
+        """Rounds, plans and aborts an outsider destroyed are back within HEAL_EVERY_S."""
+        if now - self._healed_at >= HEAL_EVERY_S:
+            self._healed_at = now
+            self.store.heal()
+
+    def heartbeats(self, worker_ids):
+        """{worker id: its latest sealed beat number, or None (forged, replayed, none yet)}."""
+        values = self.store.get_many(Keys.heartbeat(w) for w in worker_ids)
+        return {w: (int(v["beat"]) if v is not None else None)
+                for w, v in ((w, values[Keys.heartbeat(w)]) for w in worker_ids)}
+
+    def failure_reported(self, round_id, member_ids):
+        """The doorbell names a reporter; if it was tampered with, ask every member."""
+        doorbell = Keys.failures(round_id)
+        if not self.store.present(doorbell):
+            return False
+        if self.store.get(doorbell) is not None:
+            return True
+        reports = self.store.get_many(Keys.failed(round_id, wid) for wid in member_ids)
+        return any(v is not None for v in reports.values())
+
+    def remote_address(self, host):
+        """The store address for workers on remote ``host`` (None: per host), warning
+        once when the store listens where that host cannot reach it."""
+        if not self.binding.reaches(host, self._names) and host not in self._unreachable_warned:
+            self._unreachable_warned.add(host)
+            log.warning("host %s is not local but the control store listens on %s only (%s "
+                        "at start): its workers cannot connect; restart with "
+                        "--network-interface IF to admit remote hosts", host,
+                        self.binding.address, self.binding.reason)
+        return self.binding.remote_connect_address()

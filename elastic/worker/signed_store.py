@@ -1,0 +1,150 @@
+"""The store that gloo and NCCL rendezvous through: it seals what they set and
+verifies what they get (docs/architecture.md, trust model).
+
+Peers publish their data-plane addresses here. Unsealed, anyone who reaches the
+driver's store could put its own address into a round's rendezvous and then
+talk to the workers' data plane (which unpickles `broadcast_object` payloads).
+Sealed, a value that does not verify for its exact key (and so its round) is
+treated as not there yet: the reader keeps waiting for the real one, and the
+writer puts its own value back if something overwrote it. Waits poll with
+``check`` instead of blocking in the store, so the worker's other threads (the
+abort watch) never queue behind a rendezvous on the shared connection.
+"""
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic.auth import Rejected
+
+POLL_MIN_S = 0.001
+POLL_MAX_S = 0.02
+HEAL_EVERY_S = 0.5
+
+
+class RendezvousTimeout(RuntimeError):
+    """A rendezvous key never held a value with a valid seal."""
+
+
+def _seconds(timeout, default):
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+class SignedStore(dist.Store):
+    """``scope`` (for example ``pg/7/``) is part of every key sealed, so a value
+    from another round never verifies in this one."""
+
+    def __init__(self, control, scope, timeout_s):
+        super().__init__()
+        self._raw = control.raw
+        self._sealer = control.sealer
+        self._reject = control.rejected
+        self._scope = scope
+        self._timeout_s = float(timeout_s)
+        self._mine = {}
+        self._lock = threading.Lock()
+        self._healed_at = time.monotonic()
+
+    # -- sealing ---------------------------------------------------------------------
+    def _full(self, key):
+        return self._scope + key
+
+    def _open(self, full, blob):
+        try:
+            return self._sealer.open(full, blob)[1]
+        except Rejected as exc:
+            self._reject(full, str(exc))
+            return None
+
+    def heal(self):
+        """Put back what this process set, where something else overwrote it."""
+        now = time.monotonic()
+        if now - self._healed_at < HEAL_EVERY_S:
+            return
+        self._healed_at = now
+        with self._lock:
+            mine = list(self._mine.items())
+        for full, blob in mine:
+            if not self._raw.check([full]) or bytes(self._raw.get(full)) != blob:
+                self._raw.set(full, blob)
+
+    def _await(self, keys, timeout):
+        """Verified payloads of ``keys`` once every one of them verifies."""
+        fulls = [self._full(k) for k in keys]
+        deadline = time.monotonic() + _seconds(timeout, self._timeout_s)
+        pause = POLL_MIN_S
+        while True:
+            if self._raw.check(fulls):
+                blobs = self._raw.multi_get(fulls) if len(fulls) > 1 else [self._raw.get(fulls[0])]
+                values = [self._open(f, bytes(b)) for f, b in zip(fulls, blobs)]
+                if all(v is not None for v in values):
+                    return values
+            self.heal()
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"rendezvous keys {keys} did not appear (with a valid "
+                                        f"seal) within {_seconds(timeout, self._timeout_s):.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX_S)
+
+    # -- the Store interface gloo and NCCL use --------------------------------------------
+    def set(self, key, value):
+        full = self._full(key)
+        blob = self._sealer.seal(full, value)
+        with self._lock:
+            self._mine[full] = blob
+        self._raw.set(full, blob)
+
+    def get(self, key):
+        return self._await([key], None)[0]
+
+    def multi_get(self, keys):
+        return self._await(list(keys), None)
+
+    def multi_set(self, keys, values):
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def wait(self, keys, timeout=None):
+        self._await(list(keys), timeout)
+
+    def check(self, keys):
+        fulls = [self._full(k) for k in keys]
+        if not self._raw.check(fulls):
+            return False
+        return all(self._open(f, bytes(self._raw.get(f))) is not None for f in fulls)
+
+    def compare_set(self, key, expected, desired):
+        """Set ``desired`` if the verified current value is ``expected`` (or the
+        key is unset and ``expected`` is empty); returns the value now held."""
+        full = self._full(key)
+        current = None
+        if self._raw.check([full]):
+            current = self._open(full, bytes(self._raw.get(full)))
+        expected = bytes(expected) if not isinstance(expected, str) else expected.encode()
+        if (current is None and not expected) or current == expected:
+            self.set(key, desired)
+            return desired if not isinstance(desired, str) else desired.encode()
+        return current if current is not None else expected
+
+    def add(self, key, amount):
+        """Counters cannot be sealed, and a non-number planted under the key would
+        close the connection: neither gloo nor NCCL rendezvous uses one."""
+        raise RuntimeError(f"elastic's rendezvous store has no counters (add {key!r})")
+
+    def delete_key(self, key):
+        full = self._full(key)
+        with self._lock:
+            self._mine.pop(full, None)
+        return self._raw.delete_key(full)
+
+    def num_keys(self):
+        return self._raw.num_keys()
+
+    def set_timeout(self, timeout):
+        self._timeout_s = _seconds(timeout, self._timeout_s)
