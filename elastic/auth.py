@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from elastic.exceptions import ElasticError
+
 MAC_LEN = 64
 _VERSION = b"elastic-seal-v1"
 WARN_EVERY_S = 60.0      # per key
@@ -48,7 +50,7 @@ class _Sequence:
 _SEQUENCE = _Sequence()
 
 
-class Rejected(Exception):
+class Rejected(ElasticError):
     """A value failed verification; str() says why."""
 
 

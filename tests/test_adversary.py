@@ -166,6 +166,6 @@ def test_an_outsider_cannot_end_stall_steer_or_join_the_job(tmp_path):
     out = job.output()
     assert "Traceback" not in out, out[-4000:]
     # Forgeries were read, and ignored with a warning that names the key.
-    for key in ("round/2/abort'", "round/latest'", "round/1/failures'", "pg/2/gloo//0/"):
+    for key in ("round/2/abort'", "round/latest'", "round/1/failures'", "pg/"):
         assert re.search(r"ignored control-store key '[^']*" + re.escape(key), out), key
     assert len(vandal.hit) > 20 and len(o.writes) > 30, (len(vandal.hit), len(o.writes))

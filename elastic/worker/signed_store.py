@@ -18,13 +18,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastic.auth import Rejected
+from elastic.exceptions import ElasticError
 
 POLL_MIN_S = 0.001
 POLL_MAX_S = 0.02
 HEAL_EVERY_S = 0.5
 
 
-class RendezvousTimeout(RuntimeError):
+class RendezvousTimeout(ElasticError):
     """A rendezvous key never held a value with a valid seal."""
 
 
