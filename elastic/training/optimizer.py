@@ -357,13 +357,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except WorkersDepartedError as exc:  # raised from synchronize(), not mid-backward
                 self._error = exc
 
-    @torch.no_grad()
     def _adopt(self, bucket, i, p):
         """Make p.grad the bucket's view (a no-op in steady state: backward accumulated
-        into it). A gradient that backward made anew is copied in once."""
+        into it). A gradient that backward made anew is copied in once. No no_grad()
+        here: it costs more than the rest of the hook, and no tensor here needs grad."""
         view, grad = bucket.views[i], p.grad
         if grad is view:
             return
+        if grad is not None and grad.requires_grad:   # backward(create_graph=True)
+            grad = grad.detach()
         if grad is None:
             view.zero_()
         elif grad.is_sparse:
