@@ -478,3 +478,30 @@ def _read_events(path):
 
 def _id_key(wid):
     return (0, int(wid), "") if str(wid).isdigit() else (1, 0, str(wid))
+
+
+# -- public seams for other front ends (elastic.ray) --------------------------------------
+
+def call_payload(fn, args=(), kwargs=None):
+    """The bytes a worker of ``python -m elastic.launching.worker`` loads: fn, args, sys.path."""
+    return pickle.dumps({"sys_path": _sys_path(),
+                         "call": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def elasticrun_flags(np, min_np=None, max_np=None, **options):
+    """elasticrun flags from keyword arguments, as launch() builds them (TypeError on bad ones)."""
+    return _elasticrun_flags(np, min_np, max_np, None, None, options)
+
+
+def run_elasticrun(argv, env, timeout=None, quiet=False):
+    """Run an elasticrun command; (exit code or None on timeout, its stderr's last lines)."""
+    return _run(argv, _child_env(env), timeout, quiet)
+
+
+def gather_results(results_dir, log_dir, event_log, driver_log, code, timeout=None):
+    """What the workers of the final round returned, in rank order; LaunchError otherwise."""
+    job = _Outcome(results_dir, log_dir, event_log, driver_log)
+    if code is None:
+        raise job.error(f"timed out after {timeout:g} s; the job was stopped", None)
+    return job.results(code)

@@ -55,13 +55,14 @@ class AgentConfig:
     connect_timeout: float = 60.0
     stop_timeout: float = 20.0
     output_dir: str = None
+    quiet: bool = False               # True: forward output to the driver only
 
 
 class _ForwardingSink(launcher.OutputSink):
     """Prints and keeps worker output locally and queues each line for the driver."""
 
-    def __init__(self, output_dir, outbox):
-        super().__init__(output_dir)
+    def __init__(self, output_dir, outbox, quiet=False):
+        super().__init__(output_dir, quiet=quiet)
         self._outbox = outbox
 
     def attach(self, worker_id, stream, name, on_line=None):
@@ -111,7 +112,7 @@ class Agent:
         self.cfg = cfg
         self.secret = read_secret_file(cfg.secret_file)
         self.outbox = _Outbox()
-        self.sink = _ForwardingSink(cfg.output_dir, self.outbox)
+        self.sink = _ForwardingSink(cfg.output_dir, self.outbox, cfg.quiet)
         self.workers = {}
         self.index = None
         self.beat_seq = 0
