@@ -126,7 +126,7 @@ def test_a_sigkilled_actor_is_a_failed_host_and_the_job_goes_on(cluster, tmp_pat
     executor = _executor(hold="3")
     job = Running(tmp_path, executor)
     job.wait_step(3, size=2)
-    actor, _ = next(iter(executor._agents.values()))
+    actor = next(iter(executor.agents().values()))
     os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
     job.release(3)
     results = job.finish()

@@ -74,6 +74,12 @@ class RayExecutor:
         self._dead = set()         # node ids whose agent died
         self._lock = threading.Lock()
 
+    def agents(self):
+        """{Ray node id: agent actor} of the running job (an actor's ``pid`` method
+        gives its process id)."""
+        with self._lock:
+            return {node: actor for node, (actor, _) in self._agents.items()}
+
     # -- nodes -> agents --------------------------------------------------------------
     def slots_of(self, resources):
         """How many workers a node with ``resources`` (Ray's dict) holds."""
