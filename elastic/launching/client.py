@@ -489,11 +489,6 @@ def call_payload(fn, args=(), kwargs=None):
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def elasticrun_flags(np, min_np=None, max_np=None, **options):
-    """elasticrun flags from keyword arguments, as launch() builds them (TypeError on bad ones)."""
-    return _elasticrun_flags(np, min_np, max_np, None, None, options)
-
-
 def run_elasticrun(argv, env, timeout=None, quiet=False):
     """Run an elasticrun command; (exit code or None on timeout, its stderr's last lines)."""
     return _run(argv, _child_env(env), timeout, quiet)
@@ -501,7 +496,7 @@ def run_elasticrun(argv, env, timeout=None, quiet=False):
 
 def gather_results(results_dir, log_dir, event_log, driver_log, code, timeout=None):
     """What the workers of the final round returned, in rank order; LaunchError otherwise."""
-    job = _Outcome(results_dir, log_dir, event_log, driver_log)
+    job = Outcome(results_dir, log_dir, event_log, driver_log)
     if code is None:
         raise job.error(f"timed out after {timeout:g} s; the job was stopped", None)
     return job.results(code)

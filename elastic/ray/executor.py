@@ -62,7 +62,8 @@ class RayExecutor:
         if not cpus_per_worker and not gpus_per_worker:
             raise ValueError("give cpus_per_worker or gpus_per_worker (a worker needs something)")
         self.np = min_np if np is None else np
-        self.flags = client.elasticrun_flags(self.np, min_np, max_np, **elasticrun_options)
+        self.flags = client.elasticrun_flags(self.np, min_np, max_np, None, None,
+                                             elasticrun_options)
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
         self.watch_interval = watch_interval
