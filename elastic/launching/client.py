@@ -109,11 +109,11 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int =
     np, min_np, max_np, discovery_script, elasticrun_options = horovod_keywords(
         np, min_np, max_np, discovery_script, elasticrun_options)
     flags = elasticrun_flags(np, min_np, max_np, hosts, discovery_script, elasticrun_options)
-    child_env = _child_env(env)
+    job_env = child_env(env)
     _validate(flags)
     try:
         payload = pickle.dumps({
-            "sys_path": _sys_path(),
+            "sys_path": worker_sys_path(),
             "call": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))),
         }, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - cloudpickle raises many kinds
@@ -133,7 +133,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int =
             argv += ["--event-log", event_log]
         argv += ["--", sys.executable, "-m", "elastic.launching.worker",
                  paths["payload"], paths["results"]]
-        code, driver_log = _run(argv, child_env, timeout, quiet)
+        code, driver_log = run_elasticrun(argv, job_env, timeout, quiet)
         job = Outcome(paths["results"], log_dir, event_log, driver_log)
         if code is None:
             raise job.error(f"timed out after {timeout:g} s; the job was stopped", None)
@@ -242,7 +242,7 @@ def _validate(flags):
         raise ValueError(f"elasticrun: {exc}") from None
 
 
-def _child_env(extra):
+def child_env(extra):
     env = dict(os.environ)
     env.update(extra or {})
     # The job's processes must import this same elastic package.
@@ -254,7 +254,7 @@ def _child_env(extra):
     return env
 
 
-def _sys_path():
+def worker_sys_path():
     """The caller's import path, so that functions pickled by reference (defined in
     a module of the caller's project) import on the workers too."""
     return [os.path.abspath(p or os.curdir) for p in sys.path]
@@ -273,7 +273,7 @@ def prepare_workdir(tmp, payload):
 
 # -- running ------------------------------------------------------------------------------
 
-def _run(argv, env, timeout, quiet):
+def run_elasticrun(argv, env, timeout, quiet):
     """Run elasticrun; returns (exit code or None on timeout, the tail of its stderr)."""
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
@@ -478,25 +478,3 @@ def _read_events(path):
 
 def _id_key(wid):
     return (0, int(wid), "") if str(wid).isdigit() else (1, 0, str(wid))
-
-
-# -- public seams for other front ends (elastic.ray) --------------------------------------
-
-def call_payload(fn, args=(), kwargs=None):
-    """The bytes a worker of ``python -m elastic.launching.worker`` loads: fn, args, sys.path."""
-    return pickle.dumps({"sys_path": _sys_path(),
-                         "call": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))},
-                        protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def run_elasticrun(argv, env, timeout=None, quiet=False):
-    """Run an elasticrun command; (exit code or None on timeout, its stderr's last lines)."""
-    return _run(argv, _child_env(env), timeout, quiet)
-
-
-def gather_results(results_dir, log_dir, event_log, driver_log, code, timeout=None):
-    """What the workers of the final round returned, in rank order; LaunchError otherwise."""
-    job = Outcome(results_dir, log_dir, event_log, driver_log)
-    if code is None:
-        raise job.error(f"timed out after {timeout:g} s; the job was stopped", None)
-    return job.results(code)

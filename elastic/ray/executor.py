@@ -15,12 +15,15 @@ blacklisted host without a cooldown, it stays out.
 import logging
 import math
 import os
+import pickle
 import secrets
 import shutil
 import socket
 import sys
 import tempfile
 import threading
+
+import cloudpickle
 
 try:
     import ray
@@ -144,7 +147,9 @@ class RayExecutor:
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         if not ray.is_initialized():
             ray.init()
-        payload = client.call_payload(fn, args, kwargs)
+        payload = pickle.dumps({"sys_path": client.worker_sys_path(),
+                                "call": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))},
+                               protocol=pickle.HIGHEST_PROTOCOL)
         tmp = tempfile.mkdtemp(prefix="elastic-ray-")
         secret = secrets.token_hex(32)
         secret_file = os.path.join(tmp, "secret")
@@ -164,12 +169,15 @@ class RayExecutor:
                                    name="elastic-ray-watch")
         watcher.start()
         try:
-            code, driver_log = client.run_elasticrun(argv, self.env, self.timeout, self.quiet)
+            code, driver_log = client.run_elasticrun(argv, client.child_env(self.env),
+                                                     self.timeout, self.quiet)
             stop.set()
             watcher.join(10)
             self._collect(tmp)
-            return client.gather_results(os.path.join(tmp, "results"), logs, events,
-                                         driver_log, code, self.timeout)
+            job = client.Outcome(os.path.join(tmp, "results"), logs, events, driver_log)
+            if code is None:
+                raise job.error(f"timed out after {self.timeout:g} s; the job was stopped", None)
+            return job.results(code)
         finally:
             stop.set()
             for actor, _ in list(self._agents.values()):
