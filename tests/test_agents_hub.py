@@ -29,7 +29,7 @@ def _hub():
     port = free_port()
     master = protocol.connect("127.0.0.1", port, 30, is_master=True)
     hub = AgentHub(timeout_s=2.0)
-    hub.attach(port, SECRET, sink=None)
+    hub.attach("127.0.0.1", port, SECRET, sink=None)
     return master, hub
 
 

@@ -92,9 +92,9 @@ class AgentHub(Discovery):
         self.control = None
 
     # -- wiring by the driver ---------------------------------------------------------
-    def attach(self, port, secret, sink):
+    def attach(self, address, port, secret, sink):
         """Start serving agents on the driver's store (the driver calls this once it listens)."""
-        store = protocol.connect("127.0.0.1", port, 30)
+        store = protocol.connect(address, port, 30)
         self._secret = secret
         self._raw = store
         self.control = ControlStore(store, secret)

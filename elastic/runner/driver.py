@@ -145,7 +145,8 @@ class Driver:
         self.store_port, self.control = self.plane.port, self.plane.store
         self.reporter = RoundReporter(self.events, self.control)
         if serving:
-            self.cfg.backend.attach(self.store_port, self.secret, self.sink)
+            self.cfg.backend.attach(self.plane.binding.local_connect_address(), self.store_port,
+                                    self.secret, self.sink)
             log.info("serving on port %d: waiting for agents (elasticrun --join)",
                      self.store_port)
             self._first_discovery()
