@@ -20,6 +20,11 @@ def test_every_host_local_means_loopback():
     assert not b.reaches("10.1.2.3", NAMES) and b.reaches("localhost", NAMES)
 
 
+def test_serving_agents_listens_everywhere_unless_an_interface_is_given():
+    assert binding.choose({}, NAMES, serving=True).address == "0.0.0.0"
+    assert binding.choose({}, NAMES, network_interface="lo", serving=True).address == "127.0.0.1"
+
+
 def test_network_interface_decides():
     b = binding.choose({"10.1.2.3": 1}, NAMES, network_interface="lo")
     assert b.address == "127.0.0.1" and "--network-interface lo" in b.reason
