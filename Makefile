@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install ssh-server test test-fast demo bench gpu-check lint clean
+.PHONY: install ssh-server test test-fast demo bench gpu-check soak lint clean
 
 install: $(STAMP) ssh-server
 
@@ -47,6 +47,11 @@ bench: install
 # The GPU path on a lent GPU machine: one prepared run of at most 5 minutes.
 gpu-check: install
 	OMP_NUM_THREADS=1 timeout 300 $(PY) benchmarks/gpu_check.py
+
+# One job through 200+ membership changes of every kind (not part of `make test`,
+# which runs a short seeded version: tests/test_soak.py).
+soak: install
+	OMP_NUM_THREADS=1 $(PY) tests/soak.py --changes 200 --seed 1
 
 # Needs only a Python with pip: the venv and ruff are created here if missing.
 lint: $(STAMP)

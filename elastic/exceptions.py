@@ -31,3 +31,19 @@ class HostsUpdatedInterrupt(ElasticError):
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
 
+
+class StopTraining(SystemExit):
+    """Raised on every rank at the same commit when elasticrun is stopping (SIGTERM or
+    SIGINT to it), and on a worker that got SIGTERM itself once it reaches a commit.
+
+    A SystemExit with code 0: it unwinds the training script (its ``finally``
+    blocks run, the code after ``train(state)`` does not) and the checkpointer's
+    exit hook writes the last commit on rank 0.
+    """
+
+    def __init__(self, why):
+        super().__init__(0)
+        self.why = why
+
+    def __str__(self):
+        return self.why

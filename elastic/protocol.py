@@ -264,6 +264,7 @@ class Keys:
 
     @staticmethod
     def heartbeat(worker_id: int | str) -> str:
+        """Signed JSON: a beat count and the training thread's progress (liveness.py)."""
         return f"worker/{worker_id}/heartbeat"
 
     @staticmethod
@@ -277,6 +278,14 @@ class Keys:
     @staticmethod
     def process_group(round_id: int | str) -> str:
         return f"pg/{round_id}/"
+
+    # -- stopping, leaving and liveness (issue 10) -----------------------------------------
+    STOP = "job/stop"
+
+    @staticmethod
+    def leaving(worker_id):
+        """Set by a worker that got SIGTERM: it leaves at its next commit (preempted)."""
+        return f"worker/{worker_id}/leaving"
 
 
 # -- joining agents (elasticrun --serve / --join) ---------------------------------------------

@@ -44,13 +44,18 @@ class World:
         self.limits = limits or Limits(np=2, min_np=1)
         self.job = Job()
         self.workers = {}
+        self.joined = None
+        self.stop_signal = None
         self.exits = []
         self.reports = 0
 
     def facts(self, liveness=False):
+        # Every member of the current round joined it unless a test says otherwise.
+        joined = len(self.job.members) if self.joined is None else self.joined
         return Facts(job=self.job, limits=self.limits, hosts=self.hosts,
                      workers=dict(self.workers), exits=tuple(self.exits),
-                     liveness_checked=liveness, failure_reports=self.reports)
+                     liveness_checked=liveness, failure_reports=self.reports,
+                     joined=joined, stop_signal=self.stop_signal)
 
     def tick(self, now, liveness=False):
         actions = decide(self.facts(liveness), now)
@@ -375,3 +380,56 @@ def test_evolve_tracks_rounds_resets_and_host_order():
     assert evolve(job, Reform()).phase is Phase.REFORMING
     finishing = evolve(job, StartFinishing(2))
     assert evolve(finishing, Reform()).phase is Phase.FINISHING
+
+
+# -- issue 10: rounds move on, preemption, graceful stop -------------------------------------
+
+def test_a_round_replaced_before_it_assembled_is_aborted_first():
+    from elastic.runner.decisions import Abort as _Abort
+    world = World({"a": 1}, Limits(np=1, min_np=1, max_np=8))
+    world.running()
+    world.hosts.update({"a": 1, "b": 1}, 2.0)
+    world.tick(2.0)
+    world.ready("1")
+    (publish,) = world.tick(3.0)                    # round 2: a newcomer; a still trains
+    world.joined = 1                                # only the newcomer joined round 2
+    world.hosts.update({"a": 1, "b": 1, "c": 1}, 4.0)
+    world.tick(4.0)
+    world.ready("2")
+    actions = world.tick(5.0)
+    assert kinds(actions) == ["Abort", "Publish"] and actions[0] == _Abort(2), actions
+
+
+def test_a_worker_that_got_sigterm_is_preempted_not_blamed_and_its_host_held_out():
+    from elastic.runner.decisions import Left, Preempted
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1))
+    world.running()
+    world.workers["1"] = _replace(world.workers["1"], leaving={"signal": 15})
+    actions = world.tick(2.0, liveness=True)
+    assert kinds(actions)[:2] == ["Preempted", "Reform"], actions
+    assert actions[0] == Preempted("1", "b", 15, 2.0) and "b" in world.job.preempted
+    publish = actions[-1]
+    assert isinstance(publish, Publish) and [m["host"] for m in publish.members] == ["a"]
+    world.exit("1", 0)
+    world.exits[-1] = dataclasses.replace(world.exits[-1], leaving={"signal": 15, "commit": 7})
+    actions = world.tick(3.0)
+    assert Left("1", "b", 7) in actions
+    assert not any(isinstance(a, (HostFailed, Spawn)) for a in actions), actions
+    world.hosts.update({"a": 1}, 4.0)               # the machine went away
+    world.tick(4.0)
+    assert "b" not in world.job.preempted
+
+
+def test_a_stop_waits_for_every_worker_then_ends_with_128_plus_the_signal():
+    from elastic.runner.decisions import BeginStop, Stopped
+    world = World({"a": 2}, Limits(np=2, min_np=1, stop_timeout=20))
+    world.running()
+    world.stop_signal = 15
+    actions = world.tick(2.0)
+    assert actions == [BeginStop(15, 2.0)]
+    world.exit("0", 0)
+    assert world.tick(3.0) == []                    # worker 1 has not reached its commit yet
+    actions = world.tick(30.0)                      # past --stop-timeout: killed
+    assert actions == [Stop("1"), Stopped(143, ("1",))]
+    world.exit("1", -9)
+    world.workers.clear()

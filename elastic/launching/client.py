@@ -37,7 +37,7 @@ from elastic.streams import pump_lines, read_json_lines
 RESULTS = "results"
 STDERR_TAIL_LINES = 20
 _OUTPUT_TAIL_LINES = 200
-_TERMINATE_GRACE_S = 10.0
+_TERMINATE_GRACE_S = 30.0     # elasticrun stops at the next commit: --stop-timeout 20 s
 _WORKER_RE = re.compile(r"\bworker (\S+?)(?: on (\S+?))?(?=[\s;:,)]|$)")
 
 

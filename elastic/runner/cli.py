@@ -51,6 +51,13 @@ def build_parser():
                    help="seconds before a blacklisted host may return")
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="evict a worker silent for this many seconds (default 30)")
+    p.add_argument("--stop-timeout", type=float, default=20.0,
+                   help="after SIGTERM/SIGINT (to elasticrun or to one worker), seconds a "
+                        "worker may take to reach its next commit and leave before it is "
+                        "killed (default 20)")
+    p.add_argument("--stall-timeout", type=float, default=600.0,
+                   help="evict a rank that made no progress while its peers waited on it "
+                        "in a collective this many seconds (default 600)")
     p.add_argument("--output-filename", dest="output_dir",
                    help="directory for per-worker stdout/stderr files")
     p.add_argument("-p", "--ssh-port", type=int,
@@ -92,8 +99,6 @@ def build_parser():
                    help="with --join: this host's name in the job (default: the hostname)")
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="with --join: how long to wait for the driver to listen (default 60)")
-    p.add_argument("--stop-timeout", type=float, default=20.0,
-                   help="after SIGTERM, how long workers may take to leave (default 20)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -139,7 +144,7 @@ def config_from_args(args):
     if np < min_np:
         raise UsageError(f"-np {np} is smaller than --min-np {min_np}")
     for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout",
-                 "join_timeout", "stop_timeout"):
+                 "join_timeout", "stop_timeout", "stall_timeout"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -203,6 +208,7 @@ def config_from_args(args):
         discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
         worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
+        stop_timeout=args.stop_timeout, stall_timeout=args.stall_timeout,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
         extra_env={**extra_env, **({protocol.ENV_CHECKPOINT_DIR: os.path.abspath(

@@ -48,6 +48,17 @@ class DriverControl:
         return {w: (int(v["beat"]) if v is not None else None)
                 for w, v in ((w, values[Keys.heartbeat(w)]) for w in worker_ids)}
 
+    def heartbeat_values(self, worker_ids):
+        """{worker id: its latest sealed beat (beat number and the training thread's
+        progress, liveness.py), or None (forged, replayed, none yet)}."""
+        values = self.store.get_many(Keys.heartbeat(w) for w in worker_ids)
+        return {w: values[Keys.heartbeat(w)] for w in worker_ids}
+
+    def joined(self, round_id, member_ids):
+        """How many members have put their sealed arrival in round ``round_id``."""
+        keys = [Keys.joined(round_id, w) for w in member_ids]
+        return sum(v is not None for v in self.store.get_many(keys).values())
+
     def failure_reported(self, round_id, member_ids):
         """The doorbell names a reporter; if it was tampered with, ask every member."""
         doorbell = Keys.failures(round_id)

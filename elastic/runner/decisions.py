@@ -45,6 +45,9 @@ class Job:
     short_since: float | None = None     # since when too few slots stop the job going on
     failure_report_at: float | None = None
     last_failure: str | None = None
+    preempted: Mapping = field(default_factory=dict)  # host -> when a worker there got SIGTERM
+    stop_signal: int | None = None       # SIGTERM/SIGINT to elasticrun: stopping since stop_at
+    stop_at: float | None = None
 
     def member_ids(self) -> set:
         return {m["worker_id"] for m in self.members}
@@ -63,6 +66,9 @@ class Limits:
     reset_limit: int | None = None
     worker_timeout: float = 30.0
     start_timeout: float | None = None   # elasticrun --start-timeout (horovodrun's)
+    stop_timeout: float = 20.0       # to reach a commit after SIGTERM/SIGINT
+    stall_timeout: float = 600.0     # peers waited this long on a rank that made no progress
+    preempted_hold: float = 60.0     # a preempted host discovery keeps listing returns after
 
     @property
     def startup_timeout(self) -> float:
@@ -84,6 +90,9 @@ class WorkerView:
     stopped: bool = False
     beats: int = 0                # heartbeat counter
     heartbeat_at: float = 0.0     # when the counter last changed
+    liveness: object = None       # stalls.Liveness: its training thread's progress
+    leaving: Mapping | None = None      # its SIGTERM report (Keys.leaving), if any
+    leaving_since: float | None = None  # when the driver learnt it
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class Exit:
     ready: bool = False
     done_round: int | None = None  # the round it reported training done in
     note: str = ""                 # words after "exited with code N" (ssh failures)
+    leaving: Mapping | None = None  # it got SIGTERM and left at a commit (Keys.leaving)
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,8 @@ class Facts:
     exits: tuple = ()                   # Exit, in the order the driver reaped them
     liveness_checked: bool = False      # heartbeat counters were read this tick
     failure_reports: int = 0            # the current round's failure counter
+    joined: int = 0                     # members that joined the current round so far
+    stop_signal: int | None = None      # SIGTERM/SIGINT to elasticrun
 
 
 # -- actions ----------------------------------------------------------------------------------
@@ -189,6 +201,49 @@ class MarkFailureReport:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """A worker got SIGTERM: it leaves at its next commit; its host is held out, not blamed."""
+    worker_id: str
+    host: str
+    signal: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Unpreempt:
+    """Discovery dropped the preempted host (or the hold ran out): it may be used again."""
+    host: str
+
+
+@dataclass(frozen=True)
+class Left:
+    """A worker that got SIGTERM left at a commit: a graceful removal."""
+    worker_id: str
+    host: str
+    commit: int | None
+
+
+@dataclass(frozen=True)
+class StallWarning:
+    worker_id: str
+    line: str
+
+
+@dataclass(frozen=True)
+class BeginStop:
+    """SIGTERM/SIGINT to elasticrun: every worker stops at its next commit."""
+    signal: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The stop is over: exit with ``code``; ``killed`` missed --stop-timeout."""
+    code: int
+    killed: tuple = ()
+
+
+@dataclass(frozen=True)
 class Fail:
     reason: str               # the one line the user sees
 
@@ -234,4 +289,10 @@ def evolve(job: Job, action) -> Job:
         return r(job, short_since=action.since)
     if isinstance(action, MarkFailureReport):
         return r(job, failure_report_at=action.at)
+    if isinstance(action, Preempted):
+        return r(job, preempted={**job.preempted, action.host: action.at})
+    if isinstance(action, Unpreempt):
+        return r(job, preempted={h: t for h, t in job.preempted.items() if h != action.host})
+    if isinstance(action, BeginStop):
+        return r(job, stop_signal=action.signal, stop_at=action.at)
     return job

@@ -22,6 +22,7 @@ from elastic.runner import launcher
 from elastic.runner.control_plane import DriverControl
 from elastic.runner.decisions import (
     Abort,
+    BeginStop,
     Evict,
     Exit,
     Facts,
@@ -29,13 +30,17 @@ from elastic.runner.decisions import (
     Finish,
     HostFailed,
     Job,
+    Left,
     Limits,
+    Preempted,
     Publish,
     Reform,
     Removed,
     Spawn,
+    StallWarning,
     StartFinishing,
     Stop,
+    Stopped,
     WorkerView,
     evolve,
 )
@@ -43,6 +48,7 @@ from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
 from elastic.runner.policy import decide
+from elastic.runner.stalls import Liveness
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05
@@ -87,6 +93,9 @@ class JobConfig:
     secret: str = None                # the job secret (None: a fresh one for this job)
     backend: object = None            # launches on the hosts it owns (joining agents)
     start_timeout: float = None       # evict a worker not at elastic.init() by then (None: default)
+    stop_timeout: float = 20.0        # after SIGTERM/SIGINT: time to reach a commit and leave
+    stall_timeout: float = 600.0      # evict a rank its peers waited on this long
+    preempted_hold: float = 60.0      # a preempted host that discovery keeps listing returns
 
 
 @dataclass
@@ -100,11 +109,18 @@ class WorkerRecord:
     stopped: bool = False
     heartbeat: int = 0
     heartbeat_at: float = 0.0
+    liveness: Liveness = None
+    leaving: dict = None              # its SIGTERM report (Keys.leaving)
+    leaving_since: float = None
+
+    def __post_init__(self):
+        self.liveness = Liveness(beat_at=self.started, progress_at=self.started)
 
     def view(self):
         return WorkerView(self.worker_id, self.host, self.slot, self.started, ready=self.ready,
                           stopped=self.stopped, beats=self.heartbeat,
-                          heartbeat_at=self.heartbeat_at)
+                          heartbeat_at=self.heartbeat_at, liveness=self.liveness,
+                          leaving=self.leaving, leaving_since=self.leaving_since)
 
 
 class Driver:
@@ -115,7 +131,9 @@ class Driver:
         self.limits = Limits(np=config.np, min_np=config.min_np, max_np=config.max_np,
                              elastic_timeout=config.elastic_timeout,
                              reset_limit=config.reset_limit, worker_timeout=config.worker_timeout,
-                             start_timeout=config.start_timeout)
+                             start_timeout=config.start_timeout,
+                             stop_timeout=config.stop_timeout, stall_timeout=config.stall_timeout,
+                             preempted_hold=config.preempted_hold)
         self.hosts = HostManager(config.cooldown_range)
         self.secret = config.secret or secrets.token_hex(32)
         self.sink = launcher.OutputSink(config.output_dir)
@@ -126,6 +144,13 @@ class Driver:
         self._discovery_error = None
         self._local_names = launcher.local_names()
         self.events = EventLog(config.event_log)
+        self.stop_signal = None    # the first SIGTERM/SIGINT to elasticrun
+
+    def request_stop(self, signum):
+        """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
+        if self.stop_signal is not None:
+            raise Interrupted(signum)
+        self.stop_signal = signum
 
     @property
     def phase(self):
@@ -209,7 +234,8 @@ class Driver:
             done = self.control.get(Keys.done(wid))
             exits.append(Exit(wid, w.host, code, stopped=w.stopped, ready=w.ready,
                               done_round=done["round"] if done else None,
-                              note=w.proc.describe_exit(code) if code else ""))
+                              note=w.proc.describe_exit(code) if code else "",
+                              leaving=self._signed(Keys.leaving(wid))))
         for w in self.workers.values():
             if not w.ready and self.control.has(Keys.ready(w.worker_id)):
                 w.ready = True
@@ -219,19 +245,30 @@ class Driver:
         if checked:
             self._last_heartbeat_check = now
             live = [w for w in self.workers.values() if not w.stopped]
-            beats = self.plane.heartbeats([w.worker_id for w in live])
+            beats = self.plane.heartbeat_values([w.worker_id for w in live])
             for w in live:
-                beat = beats[w.worker_id]      # forged or replayed beats read as None
-                if beat is not None and beat != w.heartbeat:
-                    w.heartbeat, w.heartbeat_at = beat, now
+                value = beats[w.worker_id]     # forged or replayed beats read as None
+                if value is not None and w.liveness.update(value, now):
+                    w.heartbeat, w.heartbeat_at = w.liveness.beat, now
+                if w.liveness.leaving and w.leaving is None:
+                    w.leaving = self._signed(Keys.leaving(w.worker_id)) or {"signal": 15}
         job = self.job
         reports = 0
         if job.round_id and job.round_id not in job.aborted and job.final_round is None:
             reports = int(self.plane.failure_reported(job.round_id,
                                                       job.rounds.get(job.round_id, ())))
+        joined = self.plane.joined(job.round_id, job.rounds.get(job.round_id, ())) \
+            if job.round_id else 0
         return Facts(job=job, limits=self.limits, hosts=self.hosts,
                      workers={wid: w.view() for wid, w in self.workers.items()},
-                     exits=tuple(exits), liveness_checked=checked, failure_reports=reports)
+                     exits=tuple(exits), liveness_checked=checked, failure_reports=reports,
+                     joined=joined, stop_signal=self.stop_signal)
+
+    def _signed(self, key):
+        try:
+            return self.control.get(key)
+        except control.ControlError:
+            return None          # a forged value is ignored, never obeyed
 
     # -- actions ----------------------------------------------------------------------
     def _carry_out(self, action, now):
@@ -267,6 +304,39 @@ class Driver:
         elif isinstance(action, StartFinishing):
             log.info("training finished in round %d; waiting for its workers to exit",
                      action.round_id)
+        elif isinstance(action, Preempted):
+            w = self.workers.get(action.worker_id)
+            if w is not None:
+                w.leaving_since = now
+            log.warning("worker %s on %s got signal %d: it leaves at its next commit; host %s "
+                        "is preempted (not blacklisted)", action.worker_id, action.host,
+                        action.signal, action.host)
+            self.events.emit("host_preempted", host=action.host, worker=action.worker_id)
+        elif isinstance(action, Left):
+            log.info("worker %s on %s left at commit %s (preempted)", action.worker_id,
+                     action.host, action.commit)
+            self.events.emit("worker_removed", worker=action.worker_id, host=action.host,
+                             reason="preempted")
+        elif isinstance(action, StallWarning):
+            w = self.workers.get(action.worker_id)
+            if w is not None:
+                w.liveness.warned = True
+            log.warning("%s", action.line)
+        elif isinstance(action, BeginStop):
+            self.control.put(Keys.STOP, {"signal": action.signal}, keep=True)
+            log.info("signal %d: stopping; every worker finishes its step and stops at the "
+                     "next commit (at most --stop-timeout %g s)", action.signal,
+                     self.cfg.stop_timeout)
+        elif isinstance(action, Stopped):
+            if action.killed:
+                log.warning("stopped by signal %d: %d workers did not stop within "
+                            "--stop-timeout %g s and were killed (%s)", self.stop_signal,
+                            len(action.killed), self.cfg.stop_timeout, ", ".join(action.killed))
+            else:
+                log.info("stopped by signal %d: every worker stopped", self.stop_signal)
+            self.events.emit("job_stopped", signal=self.stop_signal, round=self.job.round_id,
+                             killed=list(action.killed))
+            return action.code
         elif isinstance(action, Fail):
             raise JobFailed(action.reason)
         elif isinstance(action, Finish):
@@ -294,10 +364,15 @@ class Driver:
             control.ENV_PORT: str(self.store_port),
             control.ENV_SECRET: self.secret, control.ENV_WORKER_ID: wid,
             "PYTHONUNBUFFERED": "1",
-            control.ENV_ROUND_TIMEOUT: str(self.cfg.elastic_timeout + 120),
+            control.ENV_ROUND_TIMEOUT: str(max(self.cfg.elastic_timeout,
+                                               self.cfg.stall_timeout) + 120),
             control.ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval),
         })
         env.update(control.membership_env(assignment, host))
+        if control.ENV_COLLECTIVE_TIMEOUT not in os.environ:
+            # The workers' own collective deadline is the backstop: the driver evicts first.
+            env.setdefault(control.ENV_COLLECTIVE_TIMEOUT,
+                           str(max(600, self.cfg.stall_timeout + 120)))
         iface = self.cfg.network_interface
         if iface:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface
@@ -330,9 +405,9 @@ class Driver:
         self.reporter.round_started(r, members, action.change, now)
 
 
-def install_signal_handlers():
+def install_signal_handlers(driver):
     def handler(signum, _frame):
-        raise Interrupted(signum)
+        driver.request_stop(signum)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -340,8 +415,8 @@ def install_signal_handlers():
 
 def run_job(config):
     """Run a job; returns the process exit code. Errors print one line."""
-    install_signal_handlers()
     driver = Driver(config)
+    install_signal_handlers(driver)
     try:
         return driver.run()
     except JobFailed as exc:

@@ -20,26 +20,33 @@ import dataclasses
 
 from elastic.runner.decisions import (
     Abort,
+    BeginStop,
     Evict,
     Facts,
     Fail,
     Finish,
     HostFailed,
+    Left,
     MarkFailureReport,
     MarkShort,
     Phase,
+    Preempted,
     Publish,
     RecordExit,
     Reform,
     Removed,
     Spawn,
+    StallWarning,
     StartFinishing,
     Stop,
+    Stopped,
+    Unpreempt,
     WorkerView,
     evolve,
 )
 from elastic.runner.exits import ExitKind, classify_exit, final_outcome
 from elastic.runner.planner import Candidate, describe_change, plan_round, same_membership
+from elastic.runner.stalls import StallView, describe, find_stalls
 
 JOIN_BATCH_S = 15.0            # newcomers still importing torch are awaited this long
 FAILURE_REPORT_GRACE_S = 1.0   # a reported collective failure waits for the exit that explains it
@@ -83,7 +90,7 @@ class _Tick:
             self.workers[action.worker_id] = WorkerView(
                 action.worker_id, action.host, action.slot, started=self.now,
                 heartbeat_at=self.now)
-        elif isinstance(action, (Fail, Finish)):
+        elif isinstance(action, (Fail, Finish, Stopped)):
             raise _Done()
 
     def _mark_stopped(self, wid):
@@ -93,11 +100,86 @@ class _Tick:
             self.pending[wid] = dataclasses.replace(self.pending[wid], stopped=True)
 
     def run(self):
+        if self.facts.stop_signal is not None or self.job.stop_signal is not None:
+            self.stopping()
+            return
         self.handle_exits()
         self.check_end()
         self.check_liveness()
+        self.check_stalls()
         self.check_failure_reports()
+        self.check_preempted()
         self.reconcile()
+
+    # -- graceful stop (SIGTERM/SIGINT to elasticrun) ---------------------------------------
+    def stopping(self):
+        """Every worker stops at the same commit (its collective check reads the stop
+        key), rank 0 writing the final checkpoint; the rest are killed after --stop-timeout."""
+        job = self.job
+        if job.stop_signal is None:
+            self.emit(BeginStop(self.facts.stop_signal, self.now))
+            current = set(job.rounds.get(job.round_id, ()))
+            for wid, w in list(self.workers.items()):
+                if wid not in current and not w.stopped:
+                    self.emit(Stop(wid))        # newcomers and leavers have nothing to save
+        for wid in list(self.pending):
+            e = self.pending.pop(wid)
+            if e.code != 0 and not e.stopped:
+                # Peers blocked on it must give up their collective to reach the stop.
+                for round_id, ids in self.job.rounds.items():
+                    if wid in ids and round_id not in self.job.aborted:
+                        self.emit(Abort(round_id))
+        code = 128 + self.job.stop_signal
+        if not self.workers:
+            self.emit(Stopped(code))
+        if self.now - self.job.stop_at > self.limits.stop_timeout:
+            late = tuple(sorted(self.workers))
+            for wid in late:
+                self.emit(Stop(wid))
+            self.emit(Stopped(code, late))
+
+    # -- preemption: SIGTERM to one worker -------------------------------------------------
+    def check_preempted(self):
+        listed = self.hosts.discovered()
+        for host, since in self.job.preempted.items():
+            # Gone from discovery (the machine went away): listed again, it is a fresh
+            # host. Still listed after the hold: it was not going anywhere.
+            if host not in listed or self.now - since > self.limits.preempted_hold:
+                self.emit(Unpreempt(host))
+
+    def preempt(self, wid, w, leaving):
+        self.emit(Preempted(wid, w.host, int(leaving.get("signal") or 15), self.now))
+        self.workers[wid] = dataclasses.replace(self.workers[wid], leaving_since=self.now)
+        if not any(wid in ids for ids in self.job.rounds.values()):
+            self.emit(Stop(wid))            # never admitted: nothing to drain
+        elif wid in self.job.member_ids():
+            self.emit(Reform())
+
+    # -- stalls: a rank its peers wait on makes no progress -----------------------------------
+    def check_stalls(self):
+        if not self.facts.liveness_checked:
+            return
+        job = self.job
+        live = [r for r in job.rounds if r not in job.aborted]
+        views = [StallView(wid, w.liveness, {r for r in live if wid in job.rounds[r]})
+                 for wid, w in self.workers.items()
+                 if not w.stopped and w.ready and w.liveness is not None]
+        for stall in find_stalls(views, self.limits.stall_timeout, self.now):
+            w = self.workers.get(stall.worker_id)
+            if w is None or w.stopped:
+                continue
+            if stall.action == "warn":
+                self.emit(StallWarning(stall.worker_id, describe(stall, w.host)))
+            elif stall.action == "abort" and stall.round_id not in self.job.aborted:
+                self.emit(Reform(f"worker {stall.worker_id} on {w.host} still waits in round "
+                                 f"{stall.round_id}, which newer rounds replaced; aborting it"))
+                self.emit(Abort(stall.round_id))
+            elif stall.action == "evict":
+                self.emit(Stop(stall.worker_id))
+                self.emit(Evict(stall.worker_id, w.host))
+                self.host_failed(stall.worker_id, w.host,
+                                 f"{describe(stall, w.host)} (--stall-timeout "
+                                 f"{self.limits.stall_timeout:g} s); evicted")
 
     # -- exits ----------------------------------------------------------------------------
     def handle_exits(self):
@@ -108,7 +190,15 @@ class _Tick:
             kind = classify_exit(e.code, stopped_by_driver=e.stopped, in_current_round=wid in current,
                                  reported_done=e.done_round is not None,
                                  never_joined=not e.ready and job.round_id == 0)
-            if job.final_round is not None and wid in job.rounds.get(job.final_round, ()):
+            if e.leaving is not None and e.code == 0 and not e.stopped \
+                    and job.final_round is None:
+                if e.host not in job.preempted:
+                    self.emit(Preempted(wid, e.host, int(e.leaving.get("signal") or 15),
+                                        self.now))
+                self.emit(Left(wid, e.host, e.leaving.get("commit")))
+                if wid in current:
+                    self.emit(Reform())
+            elif job.final_round is not None and wid in job.rounds.get(job.final_round, ()):
                 self.emit(RecordExit(wid, e.code, final=True))
             elif kind is ExitKind.FINISHED and job.round_id == 0:
                 # A script that never called elastic.init(): the job is its processes.
@@ -179,7 +269,13 @@ class _Tick:
             w = self.workers[wid]
             if w.stopped:
                 continue
-            if (not w.beats and not w.ready and self.job.round_id
+            if w.leaving is not None and w.leaving_since is None:
+                self.preempt(wid, w, w.leaving)
+                w = self.workers[wid]
+            if w.leaving_since is not None and self.now - w.leaving_since > limits.stop_timeout:
+                why = (f"did not reach a commit within --stop-timeout {limits.stop_timeout:g} s "
+                       "after SIGTERM")
+            elif (not w.beats and not w.ready and self.job.round_id
                     and self.now - w.started > limits.startup_timeout):
                 why = f"did not start within {limits.startup_timeout:.0f} s"
             elif w.beats and self.now - w.heartbeat_at > limits.worker_timeout:
@@ -209,7 +305,8 @@ class _Tick:
 
     # -- membership -----------------------------------------------------------------------
     def wanted_slots(self):
-        return [(h, s) for h, n in self.hosts.available(self.now).items() for s in range(n)]
+        return [(h, s) for h, n in self.hosts.available(self.now).items()
+                if h not in self.job.preempted for s in range(n)]
 
     def reconcile(self):
         job, limits = self.job, self.limits
@@ -289,4 +386,6 @@ class _Tick:
         if job.round_id and limit is not None and job.resets + 1 > limit:
             self.emit(Fail(f"reset limit {limit} reached; membership changed too often"))
         change = describe_change(job.members, members) if job.members else "start"
+        if job.round_id and job.round_id not in job.aborted and self.facts.joined < len(job.members):
+            self.emit(Abort(job.round_id))  # replaced before it assembled: its members move on
         self.emit(Publish(job.round_id + 1, tuple(members), change))

@@ -16,7 +16,6 @@ import warnings
 import torch
 
 from elastic import protocol
-from elastic.exceptions import HostsUpdatedInterrupt
 from elastic.state import handlers, transfer
 from elastic.state.snapshot import Snapshot, host_clone, join, pack, split
 from elastic.worker import collectives, runtime
@@ -88,6 +87,9 @@ class State:
         """Snapshot to host memory, then learn collectively whether a round is pending."""
         self.save()
         self._version = max(self._version, 0) + 1
+        w = runtime.worker()
+        if w is not None:
+            w.progress.committed()
         if self._checkpoint is not None:
             self._checkpoint.after_commit(self)
         self.check_host_updates()
@@ -98,14 +100,14 @@ class State:
             self._remember_live()
 
     def check_host_updates(self) -> None:
-        """One tiny collective, so every rank raises at the same commit."""
+        """One tiny collective, so every rank raises at the same commit: for a new
+        round, a rank leaving (SIGTERM to it) or elasticrun stopping."""
         w = runtime.worker()
         if w is None:
             return
-        flag = torch.tensor([1 if w.new_round_pending() else 0], dtype=torch.int32)
-        collectives.allreduce_(flag, collectives.Max)
-        if int(flag) > 0:
-            raise HostsUpdatedInterrupt()
+        flags = torch.tensor(w.commit_flags(), dtype=torch.int32)
+        collectives.allreduce_(flags, collectives.Max)
+        w.act_on_commit_flags(flags.tolist(), self._version)
 
     def sync(self) -> None:
         """Bring every rank to the newest commit, moving bytes only where needed."""

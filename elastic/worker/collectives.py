@@ -56,6 +56,7 @@ def allreduce_async(tensor: torch.Tensor, op: str = Average) -> tuple | None:
     opts = dist.AllreduceOptions()
     opts.reduceOp = _TORCH_OPS[op]
     work = _issue(lambda: _group_for(w, tensor).allreduce([tensor], opts), "allreduce")
+    w.progress.issue()     # gradient hooks issue these during backward: that is progress too
     return (work, tensor, op, w.membership.size, w)
 
 

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Callable, TypeVar
 
-from elastic.exceptions import HostsUpdatedInterrupt, WorkersDepartedError
+from elastic.exceptions import HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
 from elastic.worker import logs, runtime
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     worker.report_pause(time.monotonic() - paused_at)
                 paused_at = None
                 result = func(state, *args, **kwargs)
+            except StopTraining as exc:
+                log.info("%s", exc)      # a SystemExit(0): the script ends here
+                raise
             except WorkersDepartedError as exc:
                 paused_at = paused_at or time.monotonic()
                 log.info("round %d failed (%s); restoring the last commit",

@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from elastic import protocol as control
-from elastic.exceptions import ElasticError, WorkersDepartedError
-from elastic.protocol import ControlStore, Keys, env_float
+from elastic.exceptions import ElasticError, HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
+from elastic.protocol import ControlError, ControlStore, Keys, env_float
 from elastic.worker import logs
 from elastic.worker.devices import PlacementError
 from elastic.worker.groups import RetiredGroups, build_groups, placement_for
+from elastic.worker.liveness import Heartbeat, Progress
 from elastic.worker.signed_store import SignedStore
 
 log = logging.getLogger(__name__)
@@ -49,45 +51,6 @@ class Membership:
     def export(self) -> None:
         """Set them in os.environ: they hold the worker's first round, as Horovod's do."""
         os.environ.update(self.env())
-
-
-class _Heartbeat(threading.Thread):
-    """Puts a sealed, numbered beat on its own store connection; exits the process
-    if the driver is gone.
-
-    A SIGSTOPped or deadlocked worker stops heartbeating too, which is how the
-    driver tells a hung worker from a slow one. Beats are sealed and carry a
-    sequence number, so nobody else can beat for a dead worker (not even by
-    replaying one of its old beats).
-    """
-
-    def __init__(self, worker, interval):
-        super().__init__(name="elastic-heartbeat", daemon=True)
-        self._worker = worker
-        self._interval = interval
-        self._stop = threading.Event()
-
-    def run(self):
-        failures = 0
-        beat = 0
-        conn = None
-        while not self._stop.is_set():
-            try:
-                if conn is None:
-                    conn = self._worker.new_control_connection(timeout=5)
-                beat += 1
-                conn.put(Keys.heartbeat(self._worker.worker_id), {"beat": beat})
-                failures = 0
-            except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
-                failures += 1
-                conn = None
-                if failures >= 3 and not self._stop.is_set():
-                    log.error("lost contact with elasticrun; exiting so no orphan is left behind")
-                    os._exit(1)
-            self._stop.wait(self._interval)
-
-    def stop(self):
-        self._stop.set()
 
 
 ASSEMBLY_POLL_S = (0.005, 0.1)   # first and longest pause between looks at the join count
@@ -122,7 +85,9 @@ class Worker:
         self._healed_at = 0.0
         self._standing = set()      # our sealed reports kept in place until the next round
         self._rendezvous = None     # the forming round's SignedStore, healed until it checks
-        self._heartbeat = _Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
+        self.progress = Progress()
+        self.leave_requested = 0     # the signal number once SIGTERM asked us to leave
+        self._heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
         self._heartbeat.start()
 
     def new_control_connection(self, timeout=None):
@@ -186,8 +151,55 @@ class Worker:
     def report_done(self):
         self.control.put(Keys.done(self.worker_id), {"round": self.round_id})
 
+    def stop_requested(self):
+        """True once elasticrun published its stop (SIGTERM/SIGINT to it)."""
+        try:
+            return self.control.get(Keys.STOP) is not None
+        except ControlError:
+            return False      # a forged value is ignored, never obeyed
+
+    def request_leave(self, signum):
+        """SIGTERM to this worker: leave at the next commit, as a graceful removal does."""
+        self.leave_requested = int(signum)
+        self._heartbeat.wake()      # tell the driver now, from the heartbeat's connection
+
+    def commit_flags(self):
+        """What this rank brings to the commit's collective check."""
+        return [1 if self.new_round_pending() else 0, 1 if self.leave_requested else 0,
+                1 if self.stop_requested() else 0]
+
+    def act_on_commit_flags(self, flags, commit):
+        """Every rank got the same Max of the flags, so every rank acts alike."""
+        pending, leaving, stopping = flags
+        if stopping:
+            raise StopTraining(f"elasticrun is stopping; stopped at commit {commit}")
+        if self.leave_requested:
+            self._announce_leaving(commit)
+            raise StopTraining(f"signal {self.leave_requested}: left the job at commit {commit}")
+        if pending or leaving:
+            raise HostsUpdatedInterrupt()
+
+    def _announce_leaving(self, commit=None):
+        try:
+            self.control.put(Keys.leaving(self.worker_id),
+                             {"signal": self.leave_requested, "commit": commit})
+        except Exception:  # noqa: BLE001 - the heartbeat said so already
+            pass
+
+    def _check_stop(self):
+        """Between rounds: a stop or a leave request ends the worker here."""
+        if self.leave_requested:
+            self._announce_leaving()
+            raise StopTraining(f"signal {self.leave_requested}: left the job between rounds")
+        if self.stop_requested():
+            raise StopTraining("elasticrun is stopping; stopped between rounds")
+
     def join_next_round(self):
-        """Leave the current round and block until a newer one including us forms."""
+        """Leave the current round and block until a newer one including us forms.
+
+        Always follows the newest round: one published while we wait for an
+        older one to assemble replaces it.
+        """
         self._drop_groups()
         if not self.registered:
             self.control.put(Keys.ready(self.worker_id), {"pid": os.getpid()}, keep=True)
@@ -195,22 +207,28 @@ class Worker:
             self.registered = True
         deadline = time.monotonic() + self.round_timeout
         tried = self.round_id
-        while True:
-            self.retired_groups.release_drained()
-            latest = self.latest_round()
-            if latest > tried:
-                outcome = self._try_round(latest, deadline)
-                if outcome:
-                    for key in self._standing:
-                        self.control.forget(key)
-                    self._standing.clear()
-                    return self.membership
-                if outcome is not None:
-                    tried = latest     # not a member, or aborted; None: plan not readable yet
-            if time.monotonic() > deadline:
-                raise ElasticError(f"no new round within {self.round_timeout:.0f} s")
-            self._heal_kept()          # our registration and failure report stay readable
-            time.sleep(0.02)
+        self.progress.begin_wait("next round", tried, on_peers=False)
+        try:
+            while True:
+                self._check_stop()
+                self.retired_groups.release_drained()
+                latest = self.latest_round()
+                if latest > tried:
+                    outcome = self._try_round(latest, deadline)
+                    if outcome:
+                        for key in self._standing:
+                            self.control.forget(key)
+                        self._standing.clear()
+                        return self.membership
+                    if outcome is not None:
+                        tried = latest  # not a member, or aborted; None: plan not readable yet
+                    self.progress.begin_wait("next round", tried, on_peers=False)
+                if time.monotonic() > deadline:
+                    raise ElasticError(f"no new round within {self.round_timeout:.0f} s")
+                self._heal_kept()          # our registration and failure report stay readable
+                time.sleep(0.02)
+        finally:
+            self.progress.end_wait()
 
     def _try_round(self, round_id, deadline):
         """True: joined. False: not for us (not a member, or aborted). None: the plan
@@ -233,16 +251,23 @@ class Worker:
         self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
         keys = [Keys.joined(round_id, wid) for wid in member_ids]
         began = time.monotonic()
+        self.progress.begin_wait(f"round {round_id} assembly", round_id)
+
+        def everyone():
+            return self.control.raw.check(keys) and all(
+                v is not None for v in self.control.get_many(keys).values())
+
         while True:
-            if self.control.raw.check(keys) and all(
-                    v is not None for v in self.control.get_many(keys).values()):
+            if everyone():
                 return True
             if self.control.has(Keys.abort(round_id)):
                 return False
             if self.latest_round() > round_id:
                 # Superseded before it assembled: a member that saw the newer plan first
-                # went straight to it and will never join this one.
-                return False
+                # went straight to it and will never join this one (the driver aborts
+                # such a round). Read again: one that did assemble goes on.
+                return everyone()
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise ElasticError(f"round {round_id} did not assemble in time")
             self._heal_kept()
@@ -276,6 +301,7 @@ class Worker:
         self._rendezvous = SignedStore(self.control, Keys.process_group(round_id),
                                        self.collective_timeout)
         try:
+            self.progress.begin_wait("group set-up", round_id)
             self.cpu_group, self.device_group = build_groups(self, round_id, self.placement,
                                                              self._rendezvous)
         except WorkersDepartedError:
@@ -327,7 +353,27 @@ def init() -> None:
     if os.environ.get(control.ENV_ADDR):
         _worker = Worker()
         _exit_guard.install()
+        _install_leave_on_sigterm()
     _initialized = True
+
+
+def _install_leave_on_sigterm():
+    """SIGTERM (a preempted pod, a spot reclaim) becomes a graceful leave at the next
+    commit. Signal handlers can only be set from the main thread; elsewhere SIGTERM
+    keeps its default and the worker counts as failed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, _frame):
+        w = _worker
+        if w is None:
+            raise SystemExit(128 + signum)
+        if w.leave_requested:        # a second SIGTERM: go now
+            os._exit(128 + signum)
+        log.warning("signal %d: leaving the job at the next commit", signum)
+        w.request_leave(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class _ExitGuard:

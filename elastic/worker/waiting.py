@@ -33,8 +33,21 @@ def issue(start: Callable[[], Any], what: str) -> Any:
 
 
 def wait(work: Any, what: str = "collective", worker: Worker | None = None) -> None:
-    """Wait for ``work`` in slices; abandon it if ``worker``'s round is aborted."""
-    w = worker
+    """Wait for ``work`` in slices; abandon it if ``worker``'s round is aborted.
+
+    The worker's progress (liveness.py) says what it waits in meanwhile, so the
+    driver can tell a rank its peers wait on from one that waits itself.
+    """
+    if worker is None:
+        return _wait(work, what, None)
+    worker.progress.begin_wait(what, worker.round_id)
+    try:
+        return _wait(work, what, worker)
+    finally:
+        worker.progress.end_wait()
+
+
+def _wait(work: Any, what: str, w: Worker | None) -> None:
     if w is not None and w.polls_work:
         from elastic.worker import nccl
         nccl.wait_polling(work, WAIT_SLICE_S, w.collective_timeout, w.round_aborted, what,

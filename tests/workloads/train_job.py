@@ -7,14 +7,21 @@ Everything a test asserts comes from files in $JOB_OUT:
 Holds: with JOB_HOLD="6,12" every rank stops at those steps and keeps
 committing until the test creates $JOB_OUT/go.<step>, so a test can change
 membership at a known point without racing the training.
-Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop), each fires once;
+Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop|stuck), each fires once;
+stuck blocks the training thread for good while the heartbeat thread lives on;
 JOB_RESET_FAULT=R makes rank R fail once inside a reset callback.
+Gate: JOB_GATE=S makes every rank wait at step S, before its commit and without any
+collective, until $JOB_OUT/gate exists.
+Soak hooks: a file $JOB_OUT/stuck.<worker> blocks that worker's training thread for
+good; with JOB_END_FILE, the job ends after the epoch during which that file appeared
+(rank 0 decides, so every rank agrees).
 """
 
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -30,6 +37,8 @@ COMMIT_EVERY = int(os.environ.get("JOB_COMMIT_EVERY", "1"))
 HOLDS = {int(s) for s in os.environ.get("JOB_HOLD", "").split(",") if s}
 FAULT = os.environ.get("JOB_FAULT", "")
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
+GATE = int(os.environ.get("JOB_GATE", "0"))
+END_FILE = os.environ.get("JOB_END_FILE")
 
 
 def maybe_fault(step):
@@ -49,6 +58,8 @@ def maybe_fault(step):
             os._exit(3)
         if mode == "raise":
             raise RuntimeError("injected failure")
+        if mode == "stuck":
+            threading.Event().wait()     # a stuck data loader: the process lives on
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
 
@@ -81,7 +92,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
-    state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, history=[])
+    state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, history=[],
+                               epochs=EPOCHS)
     log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
 
     def reset_fault():
@@ -96,13 +108,15 @@ def main():
 
     @elastic.run
     def train(state):
-        while state.epoch < EPOCHS:
+        while state.epoch < state.epochs:
             state.sampler.set_epoch(state.epoch)
             indices = list(state.sampler)
             for start in range(0, len(indices), BATCH):
                 batch = indices[start:start + BATCH]
                 step = state.step + 1
                 maybe_fault(step)
+                if os.path.exists(os.path.join(OUT, f"stuck.{WID}")):
+                    threading.Event().wait()
                 dist_opt.zero_grad()
                 x = data[batch]
                 loss = torch.nn.functional.mse_loss(model(x), target[batch])
@@ -118,12 +132,20 @@ def main():
                     "epoch": state.epoch, "step": step, "rank": elastic.rank(),
                     "size": elastic.size(), "host": os.environ.get("ELASTIC_HOSTNAME", ""),
                     "local_rank": elastic.local_rank(), "round": w.round_id if w else 0,
-                    "worker": WID, "t": time.time()}) + "\n")
+                    "worker": WID, "t": time.time(),
+                    "received": state.sync_stats["bytes_received"]}) + "\n")
+                if step == GATE:
+                    while not os.path.exists(os.path.join(OUT, "gate")):
+                        time.sleep(0.05)
                 if step in HOLDS:
                     hold(state, os.path.join(OUT, f"go.{step}"))
                 elif step % COMMIT_EVERY == 0:
                     state.commit()
             state.epoch += 1
+            if END_FILE:
+                end = torch.tensor([1 if os.path.exists(END_FILE) else 0])
+                if int(elastic.broadcast(end, 0)):
+                    state.epochs = state.epoch
             state.commit()
 
     train(state)

@@ -1,0 +1,131 @@
+"""Stalls: a rank whose training thread stopped while its peers wait on it. Pure functions.
+
+Heartbeats prove that a process lives; the progress they carry (completed
+waits and commits, and what the training thread waits in now) shows whether
+it trains. A rank is stuck when it has made no progress for ``--stall-timeout``
+while peers of one of its rounds have waited that long on it, in a collective
+or for the round to assemble. A rank busy alone (rank 0 evaluating between
+commits while nobody waits on it) is not a stall. One warning comes first, at
+half the timeout or after 60 s, whichever is sooner.
+"""
+
+from dataclasses import dataclass, field
+
+WARN_AT_MOST_S = 60.0
+SETUP_WAITS = ("group set-up", "group check")
+
+
+@dataclass
+class Liveness:
+    """What the driver knows about one worker's training thread."""
+
+    beat: int = 0
+    beat_at: float = 0.0          # driver clock when ``beat`` last changed
+    progress: tuple = ()          # (waits, commits) as last reported
+    progress_at: float = 0.0      # driver clock when ``progress`` last changed
+    waiting: dict = None          # {"what", "round", "on_peers", "seconds"} or None
+    warned: bool = False          # the stall warning for this episode was printed
+    leaving: bool = False
+
+    def update(self, value, now):
+        """Take a heartbeat value; True when it is a new beat."""
+        beat = int(value.get("beat", 0))
+        if beat == self.beat:
+            return False
+        self.beat, self.beat_at = beat, now
+        progress = (int(value.get("waits", 0)), int(value.get("commits", 0)))
+        waiting = value.get("waiting")
+        if progress != self.progress or _wait_key(waiting) != _wait_key(self.waiting):
+            self.progress, self.progress_at = progress, now
+            self.warned = False
+        self.waiting = waiting if isinstance(waiting, dict) else None
+        self.leaving = bool(value.get("leaving"))
+        return True
+
+    def waited(self, now):
+        """How long it has waited on peers, as of now; 0 when it does not."""
+        w = self.waiting
+        if not w or not w.get("on_peers", True):
+            return 0.0
+        return float(w.get("seconds", 0.0)) + max(0.0, now - self.beat_at)
+
+
+def _wait_key(waiting):
+    if not isinstance(waiting, dict):
+        return None
+    return waiting.get("what"), waiting.get("round")
+
+
+@dataclass(frozen=True)
+class Stall:
+    worker_id: str
+    action: str          # "warn", "evict" or "abort" (of ``round_id``, an older round it waits in)
+    idle_s: float
+    waiters: int
+    what: str
+    round_id: int = 0
+
+
+@dataclass
+class StallView:
+    """One live worker as find_stalls sees it."""
+
+    worker_id: str
+    liveness: Liveness
+    rounds: set = field(default_factory=set)     # live rounds it is a member of
+
+
+def warn_after(stall_timeout):
+    return min(stall_timeout / 2.0, WARN_AT_MOST_S)
+
+
+def find_stalls(views, stall_timeout, now):
+    """The stalls to act on now, at most one per worker.
+
+    A busy rank (not waiting) is stuck once both its own silence and its
+    peers' wait on it pass the threshold. A rank that itself waits in an
+    older round than the one its peers wait in (it missed that round's abort)
+    is not blamed: that older round is aborted instead.
+    """
+    out = []
+    for view in views:
+        me = view.liveness
+        if me.leaving:
+            continue
+        idle = now - me.progress_at
+        peers = [v for v in views if v is not view and v.liveness.waited(now) > 0
+                 and v.liveness.waiting.get("round") in view.rounds]
+        if not peers:
+            continue
+        waited = max(p.liveness.waited(now) for p in peers)
+        what = _most_common([p.liveness.waiting.get("what", "?") for p in peers])
+        peer_round = max(int(p.liveness.waiting.get("round", 0)) for p in peers)
+        mine = me.waiting
+        if mine is not None and not mine.get("on_peers", True):
+            continue                  # it waits for the driver, not for anyone
+        if mine is not None:
+            # Set-up waits only: one in a collective waits on a peer, who is the one
+            # to blame (or not) in its own right.
+            older = int(mine.get("round", 0))
+            if older < peer_round and older in view.rounds and mine.get("what") in SETUP_WAITS \
+                    and min(idle, waited) >= stall_timeout:
+                out.append(Stall(view.worker_id, "abort", idle, len(peers), what, older))
+            continue
+        stalled_for = min(idle, waited)
+        if stalled_for >= warn_after(stall_timeout) and not me.warned:
+            # Always warned before evicted, even when a slow tick came late.
+            out.append(Stall(view.worker_id, "warn", idle, len(peers), what))
+        elif stalled_for >= stall_timeout:
+            out.append(Stall(view.worker_id, "evict", idle, len(peers), what))
+    return out
+
+
+def _most_common(names):
+    return max(sorted(set(names)), key=names.count)
+
+
+def describe(stall, host):
+    peers = f"{stall.waiters} peer{'s' if stall.waiters != 1 else ''}"
+    wait = "waits" if stall.waiters == 1 else "wait"
+    return (f"worker {stall.worker_id} on {host}: no progress for {stall.idle_s:.0f} s "
+            f"while {peers} {wait} in {stall.what}")

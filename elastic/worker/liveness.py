@@ -1,0 +1,106 @@
+"""What a worker tells the driver about itself: heartbeats that carry progress.
+
+A heartbeat alone proves that the process lives, not that it trains: a stuck
+data loader or a deadlock in C++ stops the training thread while the
+heartbeat thread keeps beating. So every beat also carries the training
+thread's progress (completed waits and commits) and what it waits in right
+now, which lets the driver tell a rank that its peers wait on from one that
+waits itself (DESIGN §4, "No hangs").
+"""
+
+import logging
+import os
+import threading
+import time
+
+from elastic.protocol import Keys
+
+log = logging.getLogger(__name__)
+
+
+class Progress:
+    """Counters the training thread bumps; the heartbeat thread reads them.
+
+    Each field is replaced by one assignment, so a reader on another thread
+    sees either the old or the new value, never half of one.
+    """
+
+    def __init__(self):
+        self.waits = 0          # completed collectives, group set-ups, round assemblies
+        self.issued = 0         # collectives started (DistributedOptimizer's hooks in backward)
+        self.commits = 0
+        self._waiting = None    # (what, round id, on peers, start) while the thread waits
+
+    def begin_wait(self, what, round_id, on_peers=True):
+        """``on_peers``: False for waits on the driver (for a round to be published)."""
+        self._waiting = (what, int(round_id), on_peers, time.monotonic())
+
+    def end_wait(self):
+        self._waiting = None
+        self.waits += 1
+
+    def committed(self):
+        self.commits += 1
+
+    def issue(self):
+        self.issued += 1
+
+    def report(self):
+        waiting = self._waiting
+        value = {"waits": self.waits + self.issued, "commits": self.commits, "waiting": None}
+        if waiting is not None:
+            what, round_id, on_peers, since = waiting
+            value["waiting"] = {"what": what, "round": round_id, "on_peers": on_peers,
+                                "seconds": round(time.monotonic() - since, 3)}
+        return value
+
+
+class Heartbeat(threading.Thread):
+    """Puts a signed beat (count + progress) on its own store connection; exits the
+    process when the driver is gone.
+
+    A SIGSTOPped worker stops beating too, which is how the driver tells a hung
+    worker from a slow one. ``wake()`` sends a beat at once (a SIGTERM to leave).
+    """
+
+    def __init__(self, worker, interval):
+        super().__init__(name="elastic-heartbeat", daemon=True)
+        self._worker = worker
+        self._interval = interval
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._conn = None
+
+    def run(self):
+        failures = 0
+        beat = 0
+        while not self._stop.is_set():
+            try:
+                beat += 1
+                self.send(beat)
+                failures = 0
+            except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
+                failures += 1
+                self._conn = None
+                if failures >= 3 and not self._stop.is_set():
+                    log.error("lost contact with elasticrun; exiting so no orphan is left behind")
+                    os._exit(1)
+            self._wake.wait(self._interval)
+            self._wake.clear()
+
+    def send(self, beat):
+        w = self._worker
+        if self._conn is None:
+            self._conn = w.new_control_connection(timeout=5)
+        value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested)
+        if w.leave_requested:
+            self._conn.put(Keys.leaving(w.worker_id), {"signal": w.leave_requested})
+        self._conn.put(Keys.heartbeat(w.worker_id), value)
+
+    def wake(self):
+        self._wake.set()
+
+    def stop(self):
+        self._stop.set()
+        self._wake.set()
+

@@ -1,0 +1,279 @@
+"""Soak: one elastic job through hundreds of membership changes of every kind.
+
+    python tests/soak.py --changes 200 --seed 1      # make soak
+    python tests/soak.py --changes 12 --seed 3       # the short version in make test
+
+A seeded random schedule of faults against a real elasticrun job of
+tests/workloads/train_job.py on loopback hosts (127.0.0.2 and up, each one
+slot; localhost is never touched, so its worker lives through every change and
+its fds, threads and RSS can be watched): SIGKILL, SIGSTOP, SIGTERM to a worker
+(with its host leaving discovery, as a spot reclaim does), a stuck training
+thread, hosts added and removed, and SIGTERM to elasticrun followed by a rerun
+of the same command. At the end: every rank bitwise equal, every sample trained
+exactly once per epoch in the committed history, no committed step lost, and
+the long-lived worker's resources bounded.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from jobs import Job, assert_exactly_once  # noqa: E402
+from procs import job_workers, resource_growth, resources  # noqa: E402
+from procs import state as proc_state  # noqa: E402
+
+POOL = [f"127.0.0.{i}" for i in range(2, 8)]
+KEEP = "localhost"
+SAMPLES = 96
+ACTIONS = ("add", "remove", "kill", "stop", "term", "stuck")
+LIMITS = {"fds": 20, "threads": 10, "rss": 1.10}
+
+
+class Soak:
+    def __init__(self, workdir, changes, seed, driver_stops=1):
+        self.dir = Path(workdir)
+        self.rng = random.Random(seed)
+        self.target = changes
+        self.driver_stops = driver_stops
+        self.listed = [KEEP] + POOL[:2]
+        self.counts = {a: 0 for a in ACTIONS + ("driver SIGTERM + rerun",)}
+        self.runs = 0
+        self.stopped_at = []        # (commit stopped at, commit resumed from)
+        self.resources = []         # readings of the long-lived worker
+        self.out = None
+        self.ckpt = self.dir / "ckpt"
+        self.events = self.dir / "events.jsonl"
+
+    # -- the job ---------------------------------------------------------------------------
+    def start(self):
+        self.runs += 1
+        self.out = self.dir / f"out.{self.runs}"      # worker ids start again in a rerun
+        self.measured = False
+        self.run_started_at = self.changes()
+        # Generous for a loaded 2-core machine, where a healthy process may not run for seconds.
+        args = ["-np", "1", "--min-np", "1", "--worker-timeout", "15", "--stall-timeout", "20",
+                "--stop-timeout", "20", "--blacklist-cooldown-range", "1", "2",
+                "--checkpoint-dir", str(self.ckpt), "--event-log", str(self.events)]
+        job = Job(self.dir, args, hosts=self.listed,
+                  env={"JOB_EPOCHS": "100000", "JOB_SAMPLES": str(SAMPLES),
+                       "JOB_END_FILE": str(self.out / "end"), "ELASTIC_CHECKPOINT_LOCK_WAIT": "30"})
+        job.out = self.out
+        self.out.mkdir(exist_ok=True)
+        job.env["JOB_OUT"] = str(self.out)
+        job.log_path = self.dir / f"elasticrun.{self.runs}.log"
+        self.job = job.start()
+        return job
+
+    def changes(self):
+        """Rounds published in every run so far, less the very first (a rerun's first
+        round is a change: the job came back)."""
+        if not self.events.exists():
+            return 0
+        text = self.events.read_text()
+        return max(text.count('"event": "round_started"') - 1, 0)
+
+    def members(self):
+        """{worker id: (pid, host)} of live workers that trained in the newest round."""
+        records = self.job.steps()
+        if not records:
+            return {}
+        last = max(r["round"] for r in records if "round" in r)
+        in_last = {r["worker"] for r in records if r["round"] == last}
+        return {env["ELASTIC_WORKER_ID"]: (pid, env.get("ELASTIC_HOSTNAME"))
+                for pid, env in job_workers(self.out).items()
+                if env["ELASTIC_WORKER_ID"] in in_last}
+
+    def steady(self, timeout=120):
+        """Wait for the current round to train a step (or give up after ``timeout``)."""
+        start = self.changes()
+        deadline = time.monotonic() + timeout
+        seen = len(self.job.steps())
+        while time.monotonic() < deadline:
+            if self.job.proc.poll() is not None:
+                raise AssertionError(f"job ended early:\n{self.job.output()[-4000:]}")
+            if len(self.job.steps()) > seen + 1 and self.changes() >= start:
+                return
+            time.sleep(0.1)
+
+    def keeper_pid(self):
+        return next((pid for pid, env in job_workers(self.out).items()
+                     if env.get("ELASTIC_HOSTNAME") == KEEP), None)
+
+    def measure(self):
+        pid = self.keeper_pid()
+        if pid is not None:
+            try:
+                self.resources.append((self.runs, self.changes(), resources(pid)))
+                self.measured = True
+            except OSError:
+                pass
+
+    # -- faults -----------------------------------------------------------------------------
+    def set_hosts(self, hosts):
+        self.listed = hosts
+        self.job.set_hosts(hosts)
+
+    def act(self, action):
+        members = {wid: v for wid, v in self.members().items() if v[1] != KEEP}
+        unlisted = [h for h in POOL if h not in self.listed]
+        if action == "add" and not unlisted:
+            action = "remove"
+        if action == "add" or not members:
+            if not unlisted:
+                return False
+            self.set_hosts(self.listed + [self.rng.choice(unlisted)])
+            self.counts["add"] += 1
+            return True
+        wid = self.rng.choice(sorted(members))
+        pid, host = members[wid]
+        if action == "remove":
+            self.set_hosts([h for h in self.listed if h != host])
+        elif action == "kill":
+            os.kill(pid, signal.SIGKILL)
+        elif action == "stop":
+            os.kill(pid, signal.SIGSTOP)
+        elif action == "term":
+            os.kill(pid, signal.SIGTERM)             # the spot interruption notice ...
+            self.set_hosts([h for h in self.listed if h != host])   # ... and the reclaim
+        elif action == "stuck":
+            (self.out / f"stuck.{wid}").write_text("stuck")
+        self.counts[action] += 1
+        return True
+
+    def quiet(self, timeout=120):
+        """No stopped or stuck worker left: every worker can reach the stop's commit."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = job_workers(self.out)
+            stuck = {p.name.split(".", 1)[1] for p in self.out.glob("stuck.*")}
+            if not any(proc_state(pid) == "T" or env["ELASTIC_WORKER_ID"] in stuck
+                       for pid, env in live.items()):
+                return
+            time.sleep(0.1)
+
+    def driver_stop_and_rerun(self):
+        self.quiet()
+        self.steady()
+        job = self.job
+        os.kill(job.proc.pid, signal.SIGTERM)
+        code = job.finish(timeout=240)
+        assert code == 143, job.output()[-4000:]
+        stops = re.findall(r"stopped at commit (\d+)", job.output())
+        self.counts["driver SIGTERM + rerun"] += 1
+        self.start()
+        self.job.wait_for(lambda: "resumed from checkpoint" in self.job.output(), "the resume")
+        resumed = re.findall(r"resumed from checkpoint \S+ \(commit (\d+)\)", self.job.output())
+        self.stopped_at.append((int(stops[0]) if stops else None, int(resumed[0])))
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self):
+        started = time.monotonic()
+        self.start()
+        self.job.wait_step(2)
+        stop_points = sorted(self.rng.sample(range(self.target // 4, self.target * 3 // 4 + 1),
+                                             self.driver_stops)) if self.driver_stops else []
+        weights = (4, 3, 3, 1, 3, 1)
+        while self.changes() < self.target:
+            self.steady(timeout=30)
+            if not self.measured and self.changes() > self.run_started_at:
+                self.measure()
+            if stop_points and self.changes() >= stop_points[0]:
+                stop_points.pop(0)
+                self.driver_stop_and_rerun()
+                continue
+            before = self.changes()
+            # Keep a few workers around: grow when small, shrink when large.
+            size = len(self.members())
+            action = "add" if size <= 1 else self.rng.choices(ACTIONS, weights)[0]
+            if size >= 5 and action == "add":
+                action = "remove"
+            self.act(action)
+            deadline = time.monotonic() + 30
+            while self.changes() == before and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.measure()
+        (self.out / "end").write_text("end")
+        code = self.job.finish(timeout=600)
+        return self.check(code, time.monotonic() - started)
+
+    def check(self, code, seconds):
+        job = self.job
+        assert code == 0, job.output()[-4000:]
+        finals = job.finals()
+        assert len(finals) == finals[0]["size"], finals
+        for key in ("params", "optimizer", "sampler", "step"):
+            assert len({json.dumps(f[key]) for f in finals}) == 1, (key, finals)
+        history = job.history()
+        epochs = max(h[0] for h in history) + 1
+        assert_exactly_once(history, epochs, SAMPLES)
+        for stopped, resumed in self.stopped_at:
+            assert stopped == resumed, self.stopped_at
+        growth = None
+        if len(self.resources) >= 2:
+            first = next((r for r in self.resources if r[0] == self.resources[-1][0]), None)
+            growth = resource_growth(first[2], self.resources[-1][2])
+            assert growth["fds"] <= LIMITS["fds"] and growth["threads"] <= LIMITS["threads"] \
+                and growth["rss"] <= LIMITS["rss"], (growth, self.resources)
+        events = [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
+        kinds = {}
+        for e in events:
+            kinds[e["event"]] = kinds.get(e["event"], 0) + 1
+        return {"changes": self.changes(), "seconds": seconds, "counts": self.counts,
+                "events": kinds, "steps": len(history), "epochs": epochs,
+                "final_size": finals[0]["size"], "stopped_at": self.stopped_at,
+                "resources": self.resources, "growth": growth}
+
+
+def table(summary):
+    r = summary["resources"]
+    lines = ["| what | count |", "|---|---|"]
+    lines.append(f"| membership changes (rounds published, reruns included) | "
+                 f"{summary['changes']} |")
+    for action, n in summary["counts"].items():
+        lines.append(f"| fault: {action} | {n} |")
+    for kind in ("worker_failed", "worker_evicted", "host_preempted", "worker_removed",
+                 "host_blacklisted", "host_restored", "job_stopped"):
+        lines.append(f"| event: {kind} | {summary['events'].get(kind, 0)} |")
+    faults = summary["counts"]
+    unplanned = summary["events"].get("worker_evicted", 0) - faults["stop"] - faults["stuck"]
+    lines.append(f"| evictions beyond the SIGSTOP and stuck faults (a loaded machine) | "
+                 f"{max(unplanned, 0)} |")
+    lines.append(f"| committed steps / epochs (exactly once each) | {summary['steps']} / "
+                 f"{summary['epochs']} |")
+    lines.append(f"| driver stops: commit stopped at = commit resumed from | "
+                 f"{', '.join(f'{a} = {b}' for a, b in summary['stopped_at']) or '-'} |")
+    lines.append(f"| final world size, every rank bitwise equal | {summary['final_size']}, yes |")
+    if summary["growth"]:
+        first, last = r[0][2], r[-1][2]
+        g = summary["growth"]
+        lines.append(f"| long-lived worker fds / threads / RSS, first change -> end | "
+                     f"{first['fds']} -> {last['fds']} (+{g['fds']}) / {first['threads']} -> "
+                     f"{last['threads']} (+{g['threads']}) / {first['rss'] / 2**20:.0f} -> "
+                     f"{last['rss'] / 2**20:.0f} MiB ({g['rss']:.2f}x) |")
+    lines.append(f"| wall time | {summary['seconds']:.0f} s |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--changes", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dir", default=None, help="work directory (default: a fresh temp one)")
+    args = p.parse_args(argv)
+    import tempfile
+    workdir = args.dir or tempfile.mkdtemp(prefix="elastic-soak-")
+    summary = Soak(workdir, args.changes, args.seed).run()
+    print(table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
