@@ -255,8 +255,8 @@ def table(summary):
         first, last = r[0][2], r[-1][2]
         g = summary["growth"]
         lines.append(f"| long-lived worker fds / threads / RSS, first change -> end | "
-                     f"{first['fds']} -> {last['fds']} (+{g['fds']}) / {first['threads']} -> "
-                     f"{last['threads']} (+{g['threads']}) / {first['rss'] / 2**20:.0f} -> "
+                     f"{first['fds']} -> {last['fds']} ({g['fds']:+d}) / {first['threads']} -> "
+                     f"{last['threads']} ({g['threads']:+d}) / {first['rss'] / 2**20:.0f} -> "
                      f"{last['rss'] / 2**20:.0f} MiB ({g['rss']:.2f}x) |")
     lines.append(f"| wall time | {summary['seconds']:.0f} s |")
     return "\n".join(lines)
