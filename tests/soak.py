@@ -252,7 +252,8 @@ def table(summary):
                  f"{', '.join(f'{a} = {b}' for a, b in summary['stopped_at']) or '-'} |")
     lines.append(f"| final world size, every rank bitwise equal | {summary['final_size']}, yes |")
     if summary["growth"]:
-        first, last = r[0][2], r[-1][2]
+        last_run = r[-1][0]
+        first, last = next(x for x in r if x[0] == last_run)[2], r[-1][2]   # one process
         g = summary["growth"]
         lines.append(f"| long-lived worker fds / threads / RSS, first change -> end | "
                      f"{first['fds']} -> {last['fds']} ({g['fds']:+d}) / {first['threads']} -> "
