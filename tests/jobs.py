@@ -159,3 +159,15 @@ def sizes_in_order(records):
 
 def hosts_by_rank(records, round_id):
     return {r["rank"]: r["host"] for r in records if r["round"] == round_id}
+
+
+def kill_leftover_jobs(started):
+    """Teardown for tests that may fail mid-job: SIGKILL each still-running elasticrun
+    (its workers die with it: PDEATHSIG), so a failed test leaves no job behind."""
+    for job in started:
+        if job.proc is not None and job.proc.poll() is None:
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            job.proc.wait(30)
