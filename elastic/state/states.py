@@ -213,7 +213,7 @@ def _max_senders():
 class ObjectState(State):
     """Plain picklable attributes (counters, epoch, best loss...)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs) -> None:
         super().__init__()
         self._object_names = list(kwargs)
         for name, value in kwargs.items():
@@ -247,7 +247,9 @@ class TorchState(ObjectState):
 
     _ROOTS = ("model", "optimizer")   # captured at the top of the tree (checkpoint format)
 
-    def __init__(self, model=None, optimizer=None, elastic_checkpoint=None, **kwargs):
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 elastic_checkpoint=None, **kwargs) -> None:
         from elastic.checkpoint.checkpointer import Checkpointer, resolve
         if isinstance(kwargs.get("checkpoint"), Checkpointer):   # the old spelling
             if elastic_checkpoint is not None:

@@ -469,10 +469,11 @@ def _class_for(optimizer):
     return cls
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
-                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
-                         bucket_cap_mb=None):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op: str = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups=None, sparse_as_dense: bool = False, process_set=None, *,
+                         bucket_cap_mb: "float | None" = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that step() applies gradients reduced with ``op`` across ranks.
 
     Horovod's signature. With backward_passes_per_step=k, gradients accumulate
@@ -484,8 +485,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     together: each group is one bucket, and the parameters in no group go in
     buckets of at most ``bucket_cap_mb`` MiB (default: $HOROVOD_FUSION_THRESHOLD bytes,
     which ``elasticrun --fusion-threshold-mb`` sets, else 25). Sparse gradients travel dense
-    (as with Horovod's ``sparse_as_dense``, which is accepted) and come back sparse. ``process_set``: only the
-    global one. Outside elasticrun (size 1) it steps exactly like the wrapped
+    (as with Horovod's ``sparse_as_dense``, which is accepted) and come back sparse.
+    ``process_set``: only the global one. Outside elasticrun (size 1) it steps exactly like the wrapped
     optimizer. The result is an instance of the wrapped optimizer's class.
     """
     if num_groups and groups is None:

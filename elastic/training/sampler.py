@@ -57,7 +57,8 @@ class ElasticSampler(Sampler):
     :meth:`global_batches` and call :meth:`record_global_batch` after each step.
     """
 
-    def __init__(self, dataset, shuffle=True, seed=0, drop_last=False, global_batch_size=None):
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 global_batch_size: int | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError(
                 "ElasticSampler needs a map-style dataset with a fixed length; "
