@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
-from jobs import Job  # noqa: E402
+from jobs import Job, wait_unlocked  # noqa: E402
 
 CKPT_WORKLOAD = REPO / "tests" / "workloads" / "ckpt_train.py"
 ROWS = []
@@ -75,7 +75,7 @@ def driver_kill_resume(tmp, device):
     first.wait_for(lambda: any(ckpt.glob("ckpt-*.json")), "a checkpoint")
     os.kill(first.proc.pid, signal.SIGKILL)
     first.finish()
-    _wait_unlocked(ckpt)
+    wait_unlocked(ckpt)
     rerun = job(tmp / "run2", ckpt)
     finals = rerun.assert_ok(rerun.run(), epochs=6, samples=64, final_size=2)
     if finals[0]["params"] != reference["params"] or finals[0]["optimizer"] != reference["optimizer"]:
@@ -84,21 +84,6 @@ def driver_kill_resume(tmp, device):
     if not resumed:
         raise AssertionError("the rerun did not resume from a checkpoint")
     return f"resumed from commit {resumed}; bitwise equal to the uninterrupted run"
-
-
-def _wait_unlocked(directory, timeout=60):
-    """The killed job's workers die with their driver; then the directory lock is free."""
-    from filelock import FileLock, Timeout
-    lock, deadline = FileLock(str(directory / "LOCK")), time.monotonic() + timeout
-    while True:
-        try:
-            lock.acquire(timeout=0)
-            lock.release()
-            return
-        except Timeout:
-            if time.monotonic() > deadline:
-                raise AssertionError("the killed job's workers still hold the lock") from None
-            time.sleep(0.1)
 
 
 @row("commit / restore bandwidth of CUDA state vs plain copy_")

@@ -171,3 +171,18 @@ def kill_leftover_jobs(started):
             except ProcessLookupError:
                 pass
             job.proc.wait(30)
+
+
+def wait_unlocked(directory, timeout=60):
+    """A killed job's workers die with their driver; then its checkpoint lock is free."""
+    from filelock import FileLock, Timeout
+    lock = FileLock(os.path.join(directory, "LOCK"))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lock.acquire(timeout=0)
+            lock.release()
+            return
+        except Timeout:
+            assert time.monotonic() < deadline, "the killed job still holds the lock"
+            time.sleep(0.1)

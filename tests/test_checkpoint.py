@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 import elastic
 from elastic.checkpoint import format as store
@@ -27,7 +27,7 @@ from elastic.training.sampler import ElasticSampler
 from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from jobs import REPO, Job  # noqa: E402
+from jobs import REPO, Job, wait_unlocked  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "ckpt_train.py"
 STEPS = 6 * 64 // 8          # ckpt_train.py's defaults at world size 2
@@ -357,20 +357,6 @@ def _job(path, np, ckpt=None, env=None, hosts=None):
     return Job(path, args, env=env, script=WORKLOAD)
 
 
-def _wait_unlocked(directory, timeout=60):
-    """The killed job's workers die with their driver; then the lock is free."""
-    lock = FileLock(os.path.join(directory, "LOCK"))
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            lock.acquire(timeout=0)
-            lock.release()
-            return
-        except Timeout:
-            assert time.monotonic() < deadline, "the killed job still holds the lock"
-            time.sleep(0.1)
-
-
 def _kill_driver(job):
     os.kill(job.proc.pid, signal.SIGKILL)
     assert job.finish() == -signal.SIGKILL
@@ -398,7 +384,7 @@ def test_sigkill_of_the_driver_then_rerun_resumes_bitwise(tmp_path, uninterrupte
     first.wait_for(lambda: store.list_checkpoints(str(ckpt)), "a checkpoint")
     _kill_driver(first)
     assert not first.finals(), "the job ended before the kill"
-    _wait_unlocked(ckpt)
+    wait_unlocked(ckpt)
     rerun = _job(tmp_path / "run2", 2, ckpt, env={"JOB_STEP_SLEEP": "0.05"})
     finals = rerun.assert_ok(rerun.run(), epochs=6, samples=64, final_size=2)
     version = _resumed_version(rerun)
@@ -456,7 +442,7 @@ def test_sigkill_during_a_checkpoint_write_never_loads_a_partial_one(tmp_path, u
     first.wait_for(lambda: store.list_checkpoints(str(ckpt)) and any(
         TEMP_MANIFEST.match(n) for n in os.listdir(ckpt)), "a manifest being written")
     _kill_driver(first)
-    _wait_unlocked(ckpt)
+    wait_unlocked(ckpt)
     temps = [n for n in os.listdir(ckpt) + os.listdir(ckpt / "blobs") if n.endswith(".tmp")]
     assert temps, "the kill should have cut a write short"
     visible = store.list_checkpoints(str(ckpt))

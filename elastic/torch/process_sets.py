@@ -13,15 +13,12 @@ rebuilt from the rule at its first use in each new round.
 """
 
 import threading
-import time
-from datetime import timedelta
 
-import torch.distributed as dist
-
-from elastic.exceptions import ElasticError, WorkersDepartedError
+from elastic.exceptions import ElasticError
 from elastic.protocol import Keys
-from elastic.worker import runtime, waiting
-from elastic.worker.groups import TrackedGroup
+from elastic.worker import runtime
+from elastic.worker.groups import form_groups
+from elastic.worker.signed_store import SignedStore
 
 
 class ProcessSetStaleError(ElasticError):
@@ -192,32 +189,11 @@ def _build(w, ranks):
     with _lock:
         generation = _generations.get(key, 0)
         _generations[key] = generation + 1
-    prefix = f"{Keys.process_group(w.round_id)}ps/{'-'.join(map(str, ranks))}/{generation}/"
-    store = dist.PrefixStore(prefix, w.control.raw)
-    me, n = ranks.index(w.membership.rank), len(ranks)
-    nccl = w.device_group is not w.cpu_group
-    result = {}
-
-    def build():
-        try:
-            result["cpu"] = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), me, n,
-                                                  timedelta(seconds=w.collective_timeout))
-            if nccl:
-                result["device"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), me, n)
-        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-            result["error"] = exc
-
-    builder = threading.Thread(target=build, name="elastic-process-set", daemon=True)
-    builder.start()
-    deadline = time.monotonic() + w.collective_timeout
-    while builder.is_alive():
-        builder.join(waiting.WAIT_SLICE_S)
-        if builder.is_alive() and (w.round_aborted() or time.monotonic() > deadline):
-            raise WorkersDepartedError(f"process set {ranks} did not form in round {w.round_id}")
-    if "error" in result:
-        raise WorkersDepartedError(f"process set {ranks}: {result['error']}")
-    cpu = TrackedGroup(result["cpu"])
-    return cpu, TrackedGroup(result["device"]) if "device" in result else cpu
+    scope = f"{Keys.process_group(w.round_id)}ps/{'-'.join(map(str, ranks))}/{generation}/"
+    # Signed like the round's own rendezvous: an outsider cannot plant a peer address.
+    store = SignedStore(w.control, scope, w.collective_timeout)
+    return form_groups(w, store, ranks.index(w.membership.rank), len(ranks), w.placement,
+                       f"process set {ranks} in round {w.round_id}")
 
 
 def init(comm=None, process_sets=None):

@@ -125,30 +125,28 @@ def placement_for(membership) -> devices.Placement:
                          membership.local_size, count, membership.hostname)
 
 
-def build_groups(worker: Worker, round_id: int,
-                 placement: devices.Placement,
-                 rendezvous: dist.Store) -> tuple[TrackedGroup, TrackedGroup]:
-    """(cpu group, device group) of ``worker``'s membership in ``round_id``, met
-    through ``rendezvous`` (the round's SignedStore).
+def form_groups(worker: Worker, rendezvous: dist.Store, rank: int, size: int,
+                placement: devices.Placement, what: str) -> tuple[TrackedGroup, TrackedGroup]:
+    """(cpu group, device group) of ``size`` ranks met through ``rendezvous``, built
+    off-thread so that an aborted round interrupts the wait.
 
     Raises WorkersDepartedError when the round is aborted or a peer never
-    connects. The device group is the cpu group when NCCL is not in use; an
-    NCCL group is created eagerly, bound to its device, with a finite timeout.
+    connects, PlacementError for an error that would repeat on every try. The
+    device group is the cpu group when NCCL is not in use; an NCCL group is
+    created eagerly, bound to its device, with a finite timeout.
     """
-    m = worker.membership
-    prefix = rendezvous
     timeout = timedelta(seconds=worker.collective_timeout)
     result = {}
 
     def build():
         try:
             result["cpu"] = dist.ProcessGroupGloo(
-                dist.PrefixStore("gloo/", prefix), m.rank, m.size, timeout)
+                dist.PrefixStore("gloo/", rendezvous), rank, size, timeout)
             if placement.device is not None:
                 torch.cuda.set_device(placement.device)     # this builder thread too
             if placement.backend == "nccl":
-                result["device"] = nccl.new_group(dist.PrefixStore("nccl/", prefix), m.rank,
-                                                  m.size, placement.device,
+                result["device"] = nccl.new_group(dist.PrefixStore("nccl/", rendezvous), rank,
+                                                  size, placement.device,
                                                   worker.collective_timeout)
         except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
             result["error"] = exc
@@ -159,18 +157,29 @@ def build_groups(worker: Worker, round_id: int,
     while builder.is_alive():
         builder.join(waiting.WAIT_SLICE_S)
         if builder.is_alive() and (worker.round_aborted() or time.monotonic() > deadline):
-            raise WorkersDepartedError(f"process group for round {round_id} did not form")
+            raise WorkersDepartedError(f"{what} did not form")
     if "error" in result:
         if devices.is_repeating_error(result["error"]):
-            raise devices.PlacementError(f"process group for round {round_id}: {result['error']}")
-        raise WorkersDepartedError(f"process group for round {round_id}: {result['error']}")
+            raise devices.PlacementError(f"{what}: {result['error']}")
+        raise WorkersDepartedError(f"{what}: {result['error']}")
     cpu = TrackedGroup(result["cpu"])
+    if "device" not in result:
+        return cpu, cpu
+    return cpu, TrackedGroup(result["device"], abortable=True)
+
+
+def build_groups(worker: Worker, round_id: int,
+                 placement: devices.Placement,
+                 rendezvous: dist.Store) -> tuple[TrackedGroup, TrackedGroup]:
+    """(cpu group, device group) of ``worker``'s membership in ``round_id``, met
+    through ``rendezvous`` (the round's SignedStore), checked usable by every peer."""
+    m = worker.membership
+    cpu, device = form_groups(worker, rendezvous, m.rank, m.size, placement,
+                              f"process group for round {round_id}")
     # A group is usable only once every peer finished connecting: without this
     # a peer that returns at once (and exits) breaks the others' set-up.
     probe = torch.zeros(1)
     work = waiting.issue(lambda: cpu.allreduce([probe]), f"process group for round {round_id}")
     # round_aborted() reads worker.round_id, which is already this round.
     waiting.wait(work, "group check", worker)
-    if "device" not in result:
-        return cpu, cpu
-    return cpu, TrackedGroup(result["device"], abortable=True)
+    return cpu, device
