@@ -32,7 +32,7 @@ from elastic.training.optimizer_checks import (
     check_process_set,
     default_bucket_cap_mb,
 )
-from elastic.training.optimizer_layout import build_buckets, zero_grad
+from elastic.training.optimizer_layout import build_buckets, detach_views, zero_grad
 from elastic.worker import collectives, runtime
 from elastic.worker.collectives import Average, ReduceOp
 
@@ -286,7 +286,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._register_hooks()
         as_view = isinstance(self._compression, type) and issubclass(
             self._compression, NoneCompressor)
-        self._release_views()
+        detach_views(self._buckets, keep=True)
         self._buckets = build_buckets(trainable, self._groups, self._cap, self._compression,
                                       as_view)
         self._slot = {p: (b, i, n) for n, (b, i, p) in enumerate(
@@ -294,18 +294,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._stamp, self._count = [-1] * len(self._slot), [0] * len(self._slot)
         self._round, self._stale = round_id, False
 
-    def _release_views(self):
-        """Gradients that are views into buffers we give up become None: abandoned work may
-        still write there. Only on a rebuild or a failure, never per step."""
-        for bucket in self._buckets or ():
-            if bucket.as_view:
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is view:
-                        p.grad = None
-
     def _end_cycle(self, drop_buffers):
         if drop_buffers:  # in-flight work may still write the old buffers: never reuse them
-            self._release_views()
+            detach_views(self._buckets, keep=False)
             self._buckets = self._round = None
         for bucket in self._buckets or ():
             bucket.ready, bucket.handle = 0, None

@@ -102,3 +102,19 @@ def zero_grad(p, set_to_none):
     else:
         p.grad.requires_grad_(False)
     p.grad.zero_()
+
+
+def detach_views(buckets, keep):
+    """Gradients that are views into ``buckets``' buffers stop being views, because
+    those buffers are given up (only on a rebuild or a failure, never per step).
+
+    ``keep``: no work is in flight, so each keeps what it accumulated (micro-batches
+    run inside ``no_sync()`` before the round changed) and the next hook copies it
+    into the new buffers. Otherwise it becomes None: abandoned work may still
+    write into the old buffer.
+    """
+    for bucket in buckets or ():
+        if bucket.as_view:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is view:
+                    p.grad = view.clone() if keep else None
