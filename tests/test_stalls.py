@@ -16,7 +16,7 @@ import sys
 import procs
 import pytest
 from harness import REPO, free_port, publish_round
-from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, kill_leftover_jobs
+from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships
 from test_faults import pid_of, wait_until
 
 from elastic import protocol as control
@@ -25,20 +25,6 @@ from elastic.runner.stalls import Liveness, StallView, describe, find_stalls, wa
 
 HOST3 = socket.gethostname() if socket.gethostname() not in ("localhost", "127.0.0.1") \
     else socket.getfqdn()
-
-
-@pytest.fixture(autouse=True)
-def _no_job_left_behind(monkeypatch):
-    started = []
-    start = Job.start
-
-    def tracked(self):
-        started.append(self)
-        return start(self)
-
-    monkeypatch.setattr(Job, "start", tracked)
-    yield
-    kill_leftover_jobs(started)
 
 
 # -- the rule ------------------------------------------------------------------------------

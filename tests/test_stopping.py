@@ -12,7 +12,7 @@ import signal
 import socket
 
 import pytest
-from jobs import Job, assert_exactly_once, kill_leftover_jobs, sizes_in_order
+from jobs import Job, assert_exactly_once, sizes_in_order
 from procs import job_workers
 from test_faults import assert_no_worker_left, pid_of, wait_until
 
@@ -32,20 +32,6 @@ def worker_on(job, host):
         return next((env["ELASTIC_WORKER_ID"] for env in job_workers(job.out).values()
                      if env.get("ELASTIC_HOSTNAME") == host), None)
     return wait_until(find, f"a worker on {host}", 60)
-
-
-@pytest.fixture(autouse=True)
-def _no_job_left_behind(monkeypatch):
-    started = []
-    start = Job.start
-
-    def tracked(self):
-        started.append(self)
-        return start(self)
-
-    monkeypatch.setattr(Job, "start", tracked)
-    yield
-    kill_leftover_jobs(started)
 
 
 # -- 1. graceful stop of the whole job ---------------------------------------------------------
