@@ -273,3 +273,70 @@ def test_describe_change_no_change_is_empty():
     reordered = plan_round(cands("a:0", "b:0"), ["b", "a"])
     assert describe_change(members, members) == ""
     assert describe_change(members, reordered) == ""   # only membership counts, not ranks
+
+
+# -- the linear planner equals the straightforward one (issue 14) ----------------------------
+
+def reference_order_hosts(host_order, hosts):
+    order = [h for h in host_order if h in hosts]
+    for h in hosts:
+        if h not in order:
+            order.append(h)
+    return order
+
+
+def reference_assign(ordered):
+    on_host = {}
+    for c in ordered:
+        on_host.setdefault(c.host, []).append(c.worker_id)
+    members = []
+    for rank, c in enumerate(ordered):
+        local_rank = on_host[c.host].index(c.worker_id)
+        peers = [h for h in on_host if len(on_host[h]) > local_rank]
+        members.append({
+            "worker_id": c.worker_id, "host": c.host, "rank": rank, "size": len(ordered),
+            "local_rank": local_rank, "local_size": len(on_host[c.host]),
+            "cross_rank": peers.index(c.host), "cross_size": len(peers),
+        })
+    return members
+
+
+def reference_plan_round(candidates, host_order, max_np=None):
+    hosts = reference_order_hosts(host_order, list(dict.fromkeys(c.host for c in candidates)))
+    rank_of_host = {h: i for i, h in enumerate(hosts)}    # a repeated host: its last place
+    ordered = sorted(candidates, key=lambda c: (rank_of_host[c.host], c.slot))
+    return reference_assign(ordered if max_np is None else ordered[:max_np])
+
+
+def random_situation(rng):
+    """Hosts with various slot counts, some slots missing, a host order with gone and
+    duplicated hosts, candidates in any order (now and then a repeated worker id)."""
+    names = [f"h{i}" for i in range(rng.randint(0, 40))]
+    candidates, next_id = [], 0
+    for host in names:
+        for slot in range(rng.choice([1, 1, 2, 4, 8])):
+            if rng.random() < 0.8:
+                candidates.append(Candidate(str(next_id), host, slot))
+                next_id += 1
+    if candidates and rng.random() < 0.1:
+        c = rng.choice(candidates)
+        candidates.append(Candidate(c.worker_id, c.host, rng.randint(0, 9)))
+    rng.shuffle(candidates)
+    pool = names + ["gone1", "gone2"]
+    host_order = rng.sample(pool, rng.randint(0, len(pool)))
+    if host_order and rng.random() < 0.2:
+        host_order.append(rng.choice(host_order))
+    max_np = rng.choice([None, None, 0, 1, rng.randint(0, len(candidates) + 2)])
+    return candidates, host_order, max_np
+
+
+def test_planner_equals_the_reference_on_random_inputs():
+    import random
+    rng = random.Random(14)
+    for _ in range(1500):
+        candidates, host_order, max_np = random_situation(rng)
+        hosts = [c.host for c in candidates]
+        assert order_hosts(host_order, hosts) == reference_order_hosts(host_order, hosts)
+        assert plan_round(candidates, host_order, max_np) == \
+            reference_plan_round(candidates, host_order, max_np)
+        assert assign(candidates) == reference_assign(candidates)

@@ -16,9 +16,17 @@ class Candidate:
 
 
 def order_hosts(host_order, hosts):
-    """Extend ``host_order`` (oldest first) with hosts it has not seen, keeping theirs."""
-    order = [h for h in host_order if h in hosts]
-    order.extend(h for h in hosts if h not in order)
+    """Extend ``host_order`` (oldest first) with hosts it has not seen, keeping theirs.
+
+    Linear: set lookups, not list scans (the planner runs on every tick at thousands of hosts).
+    """
+    present = set(hosts)
+    order = [h for h in host_order if h in present]
+    seen = set(order)
+    for h in hosts:
+        if h not in seen:
+            seen.add(h)
+            order.append(h)
     return order
 
 
@@ -27,7 +35,7 @@ def plan_round(candidates, host_order, max_np=None):
 
     ``candidates`` are the ready workers the driver wants; ``host_order`` the
     hosts that have taken part so far, oldest first. Beyond ``max_np`` the
-    newest hosts' highest slots are left out.
+    newest hosts' highest slots are left out. O(n log n) in the candidates.
     """
     hosts = order_hosts(host_order, list(dict.fromkeys(c.host for c in candidates)))
     rank_of_host = {h: i for i, h in enumerate(hosts)}
@@ -38,20 +46,34 @@ def plan_round(candidates, host_order, max_np=None):
 
 
 def assign(ordered):
-    """Ranks, local ranks and cross ranks for an ordered list of candidates."""
-    local_index = {}
+    """Ranks, local ranks and cross ranks for an ordered list of candidates.
+
+    A worker's local rank is its position among its host's workers; the hosts
+    that have a worker at that local rank form its cross group, in the order
+    the hosts first appear. One pass counts, one pass numbers: O(n).
+    """
+    local_size = {}            # host -> its workers
+    local_rank_of = {}         # (host, worker id) -> position on the host (first occurrence)
     for c in ordered:
-        local_index.setdefault(c.host, []).append(c.worker_id)
-    host_seq = list(local_index)
+        k = local_size.get(c.host, 0)
+        local_rank_of.setdefault((c.host, c.worker_id), k)
+        local_size[c.host] = k + 1
+    cross_size = []            # local rank -> hosts having it
+    cross_rank_of = {}         # (host, local rank) -> that host's place among them
+    for host, k in local_size.items():
+        for local_rank in range(k):
+            if local_rank == len(cross_size):
+                cross_size.append(0)
+            cross_rank_of[host, local_rank] = cross_size[local_rank]
+            cross_size[local_rank] += 1
+    size = len(ordered)
     members = []
     for rank, c in enumerate(ordered):
-        local_rank = local_index[c.host].index(c.worker_id)
-        # Hosts that have a worker at this local rank form the cross group.
-        peers = [h for h in host_seq if len(local_index[h]) > local_rank]
+        local_rank = local_rank_of[c.host, c.worker_id]
         members.append({
-            "worker_id": c.worker_id, "host": c.host, "rank": rank, "size": len(ordered),
-            "local_rank": local_rank, "local_size": len(local_index[c.host]),
-            "cross_rank": peers.index(c.host), "cross_size": len(peers),
+            "worker_id": c.worker_id, "host": c.host, "rank": rank, "size": size,
+            "local_rank": local_rank, "local_size": local_size[c.host],
+            "cross_rank": cross_rank_of[c.host, local_rank], "cross_size": cross_size[local_rank],
         })
     return members
 
