@@ -56,6 +56,10 @@ def test_agents_join_grow_the_job_and_a_sigtermed_agent_drains(join_job):
     assert job.wait_agent("node-b") == 0, job.agent_output("node-b")
     out = job.output()
     assert "agent on node-b is draining" in out
+    # A graceful leave, as a SIGTERMed worker's: at a commit, no rollback, no blacklist.
+    assert re.search(r"worker \d+ on node-b left at commit \d+ \(preempted\)", out), out[-5000:]
+    assert "restoring the last commit" not in out, out[-5000:]
+    assert "blacklisting host node-b" not in out, out[-5000:]
     # Output reaches the driver's console with the usual prefix and stays on the agent too.
     assert len(WORKER_LINE.findall(out)) == 2, out[-3000:]
     for name in ("node-a", "node-c"):

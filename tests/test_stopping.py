@@ -132,3 +132,65 @@ def test_worker_that_does_not_reach_a_commit_after_sigterm_counts_as_failed(tmp_
     assert f"worker {stuck} on 127.0.0.1 did not reach a commit within --stop-timeout 2 s " \
            "after SIGTERM; evicted" in out, out[-3000:]
     assert "blacklisting host 127.0.0.1" in out
+
+
+# -- 3. a SIGTERM that lands inside the commit's own collective ------------------------------------
+LATE_SIGTERM_WORKER = '''
+import json, os, signal, sys
+import torch
+import elastic
+from elastic.exceptions import HostsUpdatedInterrupt, StopTraining
+from elastic.protocol import Keys
+from elastic.worker import runtime
+
+w = runtime.ensure_joined()
+state = elastic.ObjectState(step=0)
+state.sync()
+if elastic.rank() == 1:
+    flags = w.commit_flags
+
+    def flags_then_sigterm():
+        said = flags()
+        if state.step == 1:                 # after this rank's flags went out: peers
+            os.kill(os.getpid(), signal.SIGTERM)   # cannot hear of it at this commit
+        return said
+    w.commit_flags = flags_then_sigterm
+outcome = {"rank": elastic.rank()}
+try:
+    for step in (1, 2, 3):
+        state.step = step
+        state.commit()
+        outcome["after"] = float(elastic.allreduce(torch.ones(1)))   # peers still here?
+except HostsUpdatedInterrupt:
+    outcome["interrupted_at"] = state.step
+except StopTraining as exc:
+    outcome["left_at"], outcome["said"] = state.step, str(exc)
+    beat = lambda: (w.control.get(Keys.heartbeat(w.worker_id)) or {}).get("beat", 0)
+    first = beat()
+    while beat() < first + 3:               # the heartbeat keeps reporting the leave
+        pass
+with open(os.path.join(os.environ["OUT_DIR"], f"{elastic.rank()}.json"), "w") as f:
+    json.dump(outcome, f)
+'''
+
+
+def test_a_sigterm_during_the_commit_collective_leaves_at_the_next_commit_with_its_number(
+        tmp_path):
+    """The rank's flags at a commit said "staying"; leaving there anyway would break its
+    peers' next collective (they roll back). It leaves at the next commit, and the
+    heartbeat's later reports keep the commit number the driver logs."""
+    from harness import Workers
+
+    from elastic.protocol import Keys
+    script = tmp_path / "late_sigterm.py"
+    script.write_text(LATE_SIGTERM_WORKER)
+    with Workers(script, 2, tmp_path, extra_env={"OUT_DIR": str(tmp_path),
+                                                  "ELASTIC_HEARTBEAT_INTERVAL": "0.05"},
+                 timeout=120) as job:
+        results = job.finish()
+        assert [r.returncode for r in results] == [0, 0], job.logs()
+        rank0, rank1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+        assert rank0 == {"rank": 0, "after": 1.0, "interrupted_at": 2}, (rank0, job.logs())
+        assert rank1["after"] == 1.0 and rank1["left_at"] == 2, (rank1, job.logs())
+        commit = int(re.search(r"left the job at commit (\d+)", rank1["said"]).group(1))
+        assert job.control.get(Keys.leaving("w1")) == {"signal": 15, "commit": commit}

@@ -94,7 +94,7 @@ class Heartbeat(threading.Thread):
             self._conn = w.new_control_connection(timeout=5)
         value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested)
         if w.leave_requested:
-            self._conn.put(Keys.leaving(w.worker_id), {"signal": w.leave_requested})
+            w.put_leaving(self._conn)
         self._conn.put(Keys.heartbeat(w.worker_id), value)
 
     def wake(self):
@@ -104,3 +104,21 @@ class Heartbeat(threading.Thread):
         self._stop.set()
         self._wake.set()
 
+
+class LeavingReport:
+    """Keys.leaving, written by the heartbeat (at once, on SIGTERM) and by the training
+    thread (with the commit it left at): one lock, and once a commit is named every
+    later write names it too, so the driver's "left at commit N" keeps its number."""
+
+    def __init__(self, worker):
+        self._worker = worker
+        self._lock = threading.Lock()
+        self._commit = None
+
+    def put(self, conn, commit=None):
+        w = self._worker
+        with self._lock:
+            if commit is not None:
+                self._commit = commit
+            conn.put(Keys.leaving(w.worker_id), {"signal": w.leave_requested,
+                                                 "commit": self._commit})

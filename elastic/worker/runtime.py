@@ -26,7 +26,7 @@ from elastic.protocol import ControlError, ControlStore, Keys, env_float
 from elastic.worker import logs
 from elastic.worker.devices import PlacementError
 from elastic.worker.groups import RetiredGroups, build_groups, placement_for
-from elastic.worker.liveness import Heartbeat, Progress
+from elastic.worker.liveness import Heartbeat, LeavingReport, Progress
 from elastic.worker.signed_store import SignedStore
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class Worker:
         self._rendezvous = None     # the forming round's SignedStore, healed until it checks
         self.progress = Progress()
         self.leave_requested = 0     # the signal number once SIGTERM asked us to leave
+        self._leave_flagged = 0      # ... as this rank's commit flags told its peers
+        self._leaving = LeavingReport(self)
         self._heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
         self._heartbeat.start()
 
@@ -165,24 +167,30 @@ class Worker:
 
     def commit_flags(self):
         """What this rank brings to the commit's collective check."""
-        return [1 if self.new_round_pending() else 0, 1 if self.leave_requested else 0,
+        self._leave_flagged = self.leave_requested
+        return [1 if self.new_round_pending() else 0, 1 if self._leave_flagged else 0,
                 1 if self.stop_requested() else 0]
 
     def act_on_commit_flags(self, flags, commit):
-        """Every rank got the same Max of the flags, so every rank acts alike."""
+        """Every rank got the same Max of the flags, so every rank acts alike. A SIGTERM
+        that arrived during the collective waits for the next commit: peers did not hear
+        of it at this one, and leaving now would break their next collective."""
         pending, leaving, stopping = flags
         if stopping:
             raise StopTraining(f"elasticrun is stopping; stopped at commit {commit}")
-        if self.leave_requested:
+        if self._leave_flagged:
             self._announce_leaving(commit)
             raise StopTraining(f"signal {self.leave_requested}: left the job at commit {commit}")
         if pending or leaving:
             raise HostsUpdatedInterrupt()
 
+    def put_leaving(self, conn):
+        """Keys.leaving on ``conn`` (the heartbeat's too): never loses the commit we left at."""
+        self._leaving.put(conn)
+
     def _announce_leaving(self, commit=None):
         try:
-            self.control.put(Keys.leaving(self.worker_id),
-                             {"signal": self.leave_requested, "commit": commit})
+            self._leaving.put(self.control, commit)
         except Exception:  # noqa: BLE001 - the heartbeat said so already
             pass
 
