@@ -433,3 +433,249 @@ def test_a_stop_waits_for_every_worker_then_ends_with_128_plus_the_signal():
     assert actions == [Stop("1"), Stopped(143, ("1",))]
     world.exit("1", -9)
     world.workers.clear()
+
+
+# -- issue 14: bounded bookkeeping, no per-tick copies, quiet ticks -------------------------
+
+def test_bookkeeping_stays_bounded_over_1000_publishes_with_aborts_and_failures():
+    import random
+
+    from elastic.runner.decisions import ROUNDS_KEPT
+    rng = random.Random(14)
+    world = World({h: 1 for h in "abcdef"}, Limits(np=4, min_np=1, max_np=8), cooldown=(1, 1))
+    world.running()
+    now, publishes, failures = 1.0, 1, 0
+    while publishes < 1000:
+        now += 2.0                                   # every cooldown has run out
+        world.hosts.returning(now)
+        world.joined = rng.choice([None, None, 0])   # now and then a round never assembles
+        if rng.random() < 0.5 and world.job.members:
+            victim = rng.choice(world.job.members)["worker_id"]
+            if victim in world.workers:
+                world.exit(victim, rng.choice([1, -9]))
+                failures += 1
+        actions = world.tick(now)
+        world.ready()                                # newcomers reach elastic.init()
+        actions += world.tick(now + 0.1)
+        assert not any(isinstance(a, (Fail, Finish)) for a in actions), actions
+        publishes += sum(isinstance(a, Publish) for a in actions)
+        job = world.job
+        assert len(job.rounds) <= ROUNDS_KEPT and job.round_id in job.rounds
+        assert job.aborted <= set(job.rounds)
+        assert all(job.admitted(w) for w in job.failed_exits)
+    assert failures > 300 and world.job.round_id >= 1000
+    assert any(isinstance(a, Abort) for a in actions) or world.job.aborted
+
+
+def test_a_final_round_the_bookkeeping_forgot_finishes_with_the_current_round():
+    world = World({"a": 1, "b": 1})
+    world.running()
+    world.exit("0", 0, done_round=-5)                # a round long gone (or never known)
+    actions = world.tick(2.0)
+    assert actions[0] == StartFinishing(1) and world.job.final_round == 1
+
+
+def test_decide_never_changes_the_callers_host_manager_even_when_it_blacklists():
+    import random
+    world = World({"a": 2, "b": 1, "c": 1}, Limits(np=4, min_np=1))
+    world.hosts = HostManager((10, 100), rng=random.Random(5))
+    world.hosts.update({"a": 2, "b": 1, "c": 1}, 0.0)
+    world.running()
+    world.exit("0", 1)                               # a crash: decide blacklists a
+    facts = world.facts()
+    until = facts.hosts.copy().blacklist("a", 2.0)   # what the caller's own draw will give
+    before = (copy.deepcopy({k: v for k, v in facts.hosts.__dict__.items()
+                             if not isinstance(v, random.Random)}), facts.hosts.version)
+    actions = decide(facts, 2.0)
+    assert HostFailed("0", "a", "worker 0 on a exited with code 1") in actions
+    after = ({k: v for k, v in facts.hosts.__dict__.items() if not isinstance(v, random.Random)},
+             facts.hosts.version)
+    assert after == before and not facts.hosts.is_blacklisted("a", 2.0)
+    assert decide(facts, 2.0) == actions
+    assert facts.hosts.blacklist("a", 2.0) == until  # its rng did not move either
+
+
+def _quiet(world, **changes):
+    """can_skip's arguments for a tick on which nothing happened since a settled decide."""
+    args = dict(settled_at=9.0, exits=(), liveness_checked=False, failure_reports=0,
+                newly_ready=0, unready=0, last_spawn_at=0.0, hosts_changed=False,
+                stop_signal=None)
+    args.update(changes)
+    return args
+
+
+def test_can_skip_a_quiet_tick_of_a_running_job_and_decide_agrees():
+    from elastic.runner.policy import can_skip
+    world = World({"a": 1, "b": 1})
+    world.running()
+    assert world.tick(9.0) == []
+    assert can_skip(world.job, world.limits, 10.0, **_quiet(world))
+    assert decide(world.facts(), 10.0) == []
+
+
+def test_can_skip_says_no_whenever_something_or_the_clock_may_matter():
+    from elastic.runner.policy import can_skip
+    world = World({"a": 1, "b": 1})
+    world.running()
+    job, limits = world.job, world.limits
+    for change in [dict(settled_at=None), dict(settled_at=11.0), dict(exits=(Exit("0", "a", 1),)),
+                   dict(liveness_checked=True), dict(failure_reports=1), dict(newly_ready=1),
+                   dict(hosts_changed=True), dict(stop_signal=15),
+                   dict(unready=1, last_spawn_at=9.0 - JOIN_BATCH_S / 2),
+                   dict(unready=1, last_spawn_at=None)]:
+        assert not can_skip(job, limits, 10.0, **_quiet(world, **change)), change
+    # A newcomer that started long before the settled decide no longer counts as starting.
+    assert can_skip(job, limits, 10.0, **_quiet(world, unready=1, last_spawn_at=9.0 - JOIN_BATCH_S))
+    r = dataclasses.replace
+    for other in [r(job, phase=Phase.STARTING), r(job, phase=Phase.REFORMING),
+                  r(job, short_since=5.0), r(job, failure_report_at=9.5),
+                  r(job, stop_signal=15, stop_at=9.0),
+                  r(job, preempted={"b": 10.0 - limits.preempted_hold - 0.1})]:
+        assert not can_skip(other, limits, 10.0, **_quiet(world)), other
+    assert can_skip(r(job, preempted={"b": 10.0 - limits.preempted_hold}), limits, 10.0,
+                    **_quiet(world))
+    assert can_skip(r(job, phase=Phase.FINISHING, final_round=1), limits, 10.0, **_quiet(world))
+
+
+def _random_liveness(rng, now, round_id):
+    from elastic.runner.stalls import Liveness
+    waiting = rng.choice([None, None, {"what": rng.choice(["allreduce", "group set-up"]),
+                                       "round": rng.choice([round_id, round_id - 1]),
+                                       "seconds": rng.choice([0.1, 5.0, 50.0])}])
+    return Liveness(beat=1, beat_at=now, progress=(1, 1),
+                    progress_at=now - rng.choice([0.0, 3.0, 60.0]), waiting=waiting)
+
+
+def _simulate(seed, steps=120):
+    """A random job as the driver runs it: can_skip decides whether decide runs at all.
+    Returns how many ticks were skipped; asserts decide had nothing to do on each."""
+    import random
+
+    from elastic.runner.policy import can_skip
+    rng = random.Random(seed)
+    np_ = rng.randint(1, 4)
+    limits = Limits(np=np_, min_np=rng.randint(1, np_), max_np=rng.choice([None, 2, 5]),
+                    elastic_timeout=rng.choice([4.0, 600.0]), worker_timeout=rng.choice([2.0, 30.0]),
+                    start_timeout=rng.choice([None, 20.0]), stop_timeout=5.0,
+                    stall_timeout=rng.choice([4.0, 600.0]), preempted_hold=rng.choice([3.0, 60.0]))
+    names = ["a", "b", "c", "d"]
+
+    def discovered():
+        return {h: rng.randint(1, 3) for h in rng.sample(names, rng.choice([1, 3, 4, 4]))}
+
+    world = World(discovered(), limits, cooldown=rng.choice([None, (1.0, 4.0)]))
+    now, settled_at, version, newly_ready, last_spawn, skipped = 0.0, None, None, 0, None, 0
+    for _ in range(steps):
+        now += rng.choice([0.05, 0.05, 0.05, 0.3, 1.0, 2.5, 8.0, 16.0, 40.0, 70.0])
+        liveness = rng.random() < 0.3
+        live = [w for w in world.workers.values() if not w.stopped]
+        if live and rng.random() < 0.3:
+            w = rng.choice(live)
+            if not w.ready:
+                world.ready(w.worker_id, at=now)
+                newly_ready += 1
+        if world.workers and rng.random() < 0.04:
+            wid = rng.choice(list(world.workers))
+            world.exit(wid, rng.choice([0, 1, 1, -9]),
+                       done_round=rng.choice([None, None, world.job.round_id]))
+            if rng.random() < 0.2:
+                world.exits[-1] = dataclasses.replace(world.exits[-1], leaving={"signal": 15})
+        if rng.random() < 0.05:
+            world.hosts.update(discovered(), now)
+        if rng.random() < 0.1:
+            world.reports = rng.choice([0, 0, 1])
+        if rng.random() < 0.1:
+            world.joined = rng.choice([None, 0])
+        if rng.random() < 0.01:
+            world.stop_signal = 15
+        if liveness:                                 # what the driver reads on these ticks only
+            for wid, w in list(world.workers.items()):
+                if w.ready and rng.random() < 0.8:
+                    w = _replace(w, beats=w.beats + 1, heartbeat_at=now,
+                                 liveness=_random_liveness(rng, now, world.job.round_id))
+                if rng.random() < 0.03:
+                    w = _replace(w, leaving={"signal": 15})
+                world.workers[wid] = w
+        world.hosts.returning(now)                   # the driver does, before deciding
+        unready = sum(1 for w in world.workers.values() if not w.ready and not w.stopped)
+        if can_skip(world.job, limits, now, settled_at=settled_at, exits=tuple(world.exits),
+                    liveness_checked=liveness, failure_reports=world.reports,
+                    newly_ready=newly_ready, unready=unready, last_spawn_at=last_spawn,
+                    hosts_changed=world.hosts.version != version, stop_signal=world.stop_signal):
+            assert decide(world.facts(liveness), now) == [], (seed, now)
+            skipped += 1
+            continue
+        actions = world.tick(now, liveness)
+        version, newly_ready = world.hosts.version, 0
+        if any(isinstance(a, Spawn) for a in actions):
+            last_spawn = now
+        settled_at = None if actions else now
+        if actions and type(actions[-1]).__name__ in ("Fail", "Finish", "Stopped"):
+            break
+    return skipped
+
+
+def test_can_skip_implies_decide_returns_nothing_on_random_jobs():
+    skipped = sum(_simulate(seed) for seed in range(400))
+    assert skipped > 800                             # the property was put to the test
+
+
+def test_find_stalls_equals_the_straightforward_rule_on_random_views():
+    import random
+
+    from elastic.runner.stalls import (
+        SETUP_WAITS,
+        Liveness,
+        Stall,
+        StallView,
+        find_stalls,
+        warn_after,
+    )
+
+    def reference(views, stall_timeout, now):
+        out = []
+        for view in views:
+            me = view.liveness
+            if me.leaving:
+                continue
+            idle = now - me.progress_at
+            peers = [v for v in views if v is not view and v.liveness.waited(now) > 0
+                     and v.liveness.waiting.get("round") in view.rounds]
+            if not peers:
+                continue
+            waited = max(p.liveness.waited(now) for p in peers)
+            names = [p.liveness.waiting.get("what", "?") for p in peers]
+            what = max(sorted(set(names)), key=names.count)
+            peer_round = max(int(p.liveness.waiting.get("round", 0)) for p in peers)
+            mine = me.waiting
+            if mine is not None and not mine.get("on_peers", True):
+                continue
+            if mine is not None:
+                older = int(mine.get("round", 0))
+                if older < peer_round and older in view.rounds and \
+                        mine.get("what") in SETUP_WAITS and min(idle, waited) >= stall_timeout:
+                    out.append(Stall(view.worker_id, "abort", idle, len(peers), what, older))
+                continue
+            stalled_for = min(idle, waited)
+            if stalled_for >= warn_after(stall_timeout) and not me.warned:
+                out.append(Stall(view.worker_id, "warn", idle, len(peers), what))
+            elif stalled_for >= stall_timeout:
+                out.append(Stall(view.worker_id, "evict", idle, len(peers), what))
+        return out
+
+    rng = random.Random(10)
+    now = 1000.0
+    for _ in range(1500):
+        views = []
+        for i in range(rng.randint(0, 12)):
+            waiting = rng.choice([None, {
+                "what": rng.choice(["allreduce", "broadcast", "group set-up", "group check"]),
+                "round": rng.randint(1, 4), "seconds": rng.choice([0.0, 1.0, 8.0, 30.0]),
+                "on_peers": rng.random() < 0.9}])
+            live = Liveness(beat=1, beat_at=now - rng.choice([0.0, 2.0]), progress=(1, 1),
+                            progress_at=now - rng.choice([0.0, 5.0, 20.0, 90.0]),
+                            waiting=waiting, warned=rng.random() < 0.3,
+                            leaving=rng.random() < 0.1)
+            views.append(StallView(str(i), live, set(rng.sample([1, 2, 3, 4], rng.randint(0, 3)))))
+        timeout = rng.choice([4.0, 10.0, 25.0])
+        assert find_stalls(views, timeout, now) == reference(views, timeout, now)

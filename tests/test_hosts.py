@@ -181,3 +181,38 @@ def test_blacklist_undiscovered_host():
 def test_bad_cooldown_range(bad):
     with pytest.raises(ValueError):
         HostManager(cooldown_range=bad)
+
+
+def test_copy_is_independent_and_reads_the_same():
+    m = HostManager(cooldown_range=(10, 100), rng=random.Random(3))
+    m.update({"b": 1, "a": 2, "c": 1}, now=0)
+    m.blacklist("c", now=0)
+    c = m.copy()
+    assert (c.discovered(), c.available(1), c.blacklisted(1), c.failures("c")) == \
+        (m.discovered(), m.available(1), m.blacklisted(1), m.failures("c"))
+    c_until = c.blacklist("a", now=1)                  # draws from the copy's own rng
+    c.update({"d": 1}, now=2)
+    assert m.discovered() == {"b": 1, "a": 2, "c": 1} and not m.is_blacklisted("a", 1)
+    assert m.failures("a") == 0
+    assert m.blacklist("a", now=1) == c_until          # the original's rng did not move
+
+
+def test_version_moves_exactly_when_a_read_may_change():
+    m = HostManager(cooldown_range=(10, 10))
+    v = m.version
+    m.update({"a": 1, "b": 1}, now=0)
+    assert m.version > v
+    v = m.version
+    m.update({"b": 1, "a": 1}, now=1)                 # same hosts, another order: no change
+    m.returning(1)
+    assert m.version == v
+    m.blacklist("a", now=1)
+    assert m.version > v
+    v = m.version
+    m.blacklist("a", now=2)                            # already barred: nothing new
+    m.returning(5)
+    assert m.version == v
+    assert m.returning(11) == ("a",) and m.version > v  # the cooldown ran out
+    v = m.version
+    m.update({"a": 2, "b": 1}, now=12)
+    assert m.version > v

@@ -4,11 +4,17 @@
 
 Facts and actions are small frozen dataclasses, so a test can write a tick's
 situation down and compare what comes back with ``==``.
+
+The bookkeeping stays bounded however long the job runs (docs/architecture.md, "The
+driver's tick"): only the last ``ROUNDS_KEPT`` rounds (and the final one) are remembered,
+with their aborts, and failed exits only of workers in them. A worker that is in none of
+them missed ``ROUNDS_KEPT`` membership changes: it is treated as never admitted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,6 +22,19 @@ from enum import Enum
 from elastic.runner.hosts import HostManager
 
 MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
+ROUNDS_KEPT = 8                # rounds the bookkeeping remembers (the final one is kept too)
+
+
+class MemberIds(tuple):
+    """A round's member worker ids in rank order; ``in`` is a set lookup, not a scan."""
+
+    def __new__(cls, ids=()):
+        self = super().__new__(cls, ids)
+        self.ids = frozenset(self)
+        return self
+
+    def __contains__(self, worker_id):
+        return worker_id in self.ids
 
 
 class Phase(Enum):
@@ -34,14 +53,14 @@ class Job:
     phase: Phase = Phase.STARTING
     round_id: int = 0
     members: tuple = ()                  # member dicts of the current round (planner.assign)
-    rounds: Mapping = field(default_factory=dict)    # round id -> member worker ids
-    aborted: frozenset = frozenset()
+    rounds: Mapping = field(default_factory=dict)    # round id -> MemberIds, the last ROUNDS_KEPT
+    aborted: frozenset = frozenset()     # aborted rounds among those kept
     resets: int = 0
     host_order: tuple = ()               # hosts of the current round, oldest first
     next_worker: int = 0                 # the next worker id
     final_round: int | None = None
     final_codes: Mapping = field(default_factory=dict)   # final round's exit codes
-    failed_exits: Mapping = field(default_factory=dict)  # worker id -> non-zero exit code
+    failed_exits: Mapping = field(default_factory=dict)  # worker id (in a kept round) -> code
     short_since: float | None = None     # since when too few slots stop the job going on
     failure_report_at: float | None = None
     last_failure: str | None = None
@@ -50,7 +69,21 @@ class Job:
     stop_at: float | None = None
 
     def member_ids(self) -> set:
-        return {m["worker_id"] for m in self.members}
+        return set(self.member_set)
+
+    @functools.cached_property
+    def member_set(self) -> frozenset:
+        """The current round's worker ids (computed once per Job: jobs never change)."""
+        return frozenset(m["worker_id"] for m in self.members)
+
+    @functools.cached_property
+    def host_rank(self) -> dict:
+        """host -> its place in ``host_order``."""
+        return {h: i for i, h in enumerate(self.host_order)}
+
+    def admitted(self, worker_id) -> bool:
+        """Whether ``worker_id`` is a member of a round the bookkeeping keeps."""
+        return any(worker_id in ids for ids in self.rounds.values())
 
 
 # -- facts ------------------------------------------------------------------------------------
@@ -113,7 +146,7 @@ class Exit:
 class Facts:
     job: Job
     limits: Limits
-    hosts: HostManager                  # read only: decide works on a copy
+    hosts: HostManager                  # read only: decide copies it before its first change
     workers: Mapping = field(default_factory=dict)   # worker id -> WorkerView, in start order
     exits: tuple = ()                   # Exit, in the order the driver reaped them
     liveness_checked: bool = False      # heartbeat counters were read this tick
@@ -266,22 +299,18 @@ def evolve(job: Job, action) -> Job:
     if isinstance(action, Reform):
         return r(job, phase=Phase.REFORMING) if job.phase is Phase.RUNNING else job
     if isinstance(action, Publish):
-        order = list(job.host_order)
-        order += [m["host"] for m in action.members if m["host"] not in order]
-        order = [h for h in order if any(m["host"] == h for m in action.members)]
-        return r(job, phase=Phase.RUNNING, round_id=action.round_id, members=action.members,
-                 rounds={**job.rounds, action.round_id: tuple(m["worker_id"] for m in action.members)},
-                 resets=job.resets + (1 if job.round_id else 0), host_order=tuple(dict.fromkeys(order)),
-                 short_since=None)
+        return _published(job, action)
     if isinstance(action, RecordExit):
         if action.final:
             return r(job, final_codes={**job.final_codes, action.worker_id: action.code})
+        if not job.admitted(action.worker_id):
+            return job          # never a final worker: StartFinishing only asks kept rounds
         return r(job, failed_exits={**job.failed_exits, action.worker_id: action.code})
     if isinstance(action, StartFinishing):
         rounds = job.rounds
         if action.members:
-            rounds = {**rounds, action.round_id: tuple(action.members)}
-        finals = set(rounds.get(action.round_id, ()))
+            rounds = {**rounds, action.round_id: MemberIds(action.members)}
+        finals = rounds.get(action.round_id, ())
         codes = {**job.final_codes, **{w: c for w, c in job.failed_exits.items() if w in finals}}
         return r(job, phase=Phase.FINISHING, final_round=action.round_id, rounds=rounds,
                  final_codes=codes)
@@ -296,3 +325,23 @@ def evolve(job: Job, action) -> Job:
     if isinstance(action, BeginStop):
         return r(job, stop_signal=action.signal, stop_at=action.at)
     return job
+
+
+def _published(job, action):
+    """The bookkeeping of a new round: O(members), keeping the last ROUNDS_KEPT rounds."""
+    members = action.members
+    ids = MemberIds(m["worker_id"] for m in members)
+    rounds = {rid: kept for rid, kept in job.rounds.items()
+              if rid > action.round_id - ROUNDS_KEPT or rid == job.final_round}
+    rounds[action.round_id] = ids
+    member_hosts = dict.fromkeys(m["host"] for m in members)
+    before = set(job.host_order)
+    order = [h for h in job.host_order if h in member_hosts]
+    order += [h for h in member_hosts if h not in before]
+    kept = list(rounds.values())
+    return dataclasses.replace(
+        job, phase=Phase.RUNNING, round_id=action.round_id, members=members, rounds=rounds,
+        aborted=frozenset(rid for rid in job.aborted if rid in rounds),
+        failed_exits={w: c for w, c in job.failed_exits.items() if any(w in k for k in kept)},
+        resets=job.resets + (1 if job.round_id else 0), host_order=tuple(dict.fromkeys(order)),
+        short_since=None)

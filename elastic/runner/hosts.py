@@ -6,6 +6,7 @@ no I/O, so the driver's policy can be tested deterministically.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -39,6 +40,11 @@ class HostManager:
     rank assignment follows host order, and reshuffling it whenever a
     discovery script prints hosts in a different order would move ranks
     between hosts for no reason.
+
+    ``version`` grows whenever what the reads report may have changed (a new
+    discovery result, a blacklisting, a cooldown that ``returning`` saw run out),
+    so a caller can tell in O(1) that nothing did. ``copy()`` is cheap: the
+    driver's policy takes one only when it blacklists within a tick.
     """
 
     def __init__(self, cooldown_range: tuple[float, float] | None = None,
@@ -52,12 +58,22 @@ class HostManager:
         self._cooldown = cooldown_range
         self._rng = rng
         self._seen: dict[str, None] = {}  # insertion order = first seen
-        self._discovered: dict[str, int] = {}
+        self._discovered: dict[str, int] = {}   # kept in first-seen order
         self._failures: dict[str, int] = {}
         # host -> time it may return (inf = never).  Expired entries stay
         # until returning() reports them, so no restoration goes unlogged.
         self._until: dict[str, float] = {}
         self._last_available: dict[str, int] = {}
+        self.version = 0
+
+    def copy(self) -> HostManager:
+        """An independent manager in the same state (its rng too), without a deep copy."""
+        other = HostManager.__new__(HostManager)
+        other.__dict__.update(self.__dict__)
+        for name in ("_seen", "_discovered", "_failures", "_until", "_last_available"):
+            setattr(other, name, dict(getattr(self, name)))
+        other._rng = copy.copy(self._rng)
+        return other
 
     # -- discovery ---------------------------------------------------------
 
@@ -72,7 +88,10 @@ class HostManager:
             if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
                 raise ValueError(f"invalid slot count {slots!r} for host {host!r}")
         self._remember(discovered)
-        self._discovered = dict(discovered)
+        ordered = {h: discovered[h] for h in self._ordered(discovered)}
+        if ordered != self._discovered:        # both in first-seen order
+            self.version += 1
+        self._discovered = ordered
         previous = self._last_available
         current = self.available(now)
         self._last_available = current
@@ -84,12 +103,14 @@ class HostManager:
 
     def discovered(self) -> dict[str, int]:
         """The last discovered set (blacklisted hosts included), first-seen order."""
-        return {h: self._discovered[h] for h in self._ordered(self._discovered)}
+        return dict(self._discovered)
 
     def available(self, now: float) -> dict[str, int]:
         """Discovered hosts that are not currently blacklisted, first-seen order."""
-        return {h: self._discovered[h] for h in self._ordered(self._discovered)
-                if not self.is_blacklisted(h, now)}
+        until = self._until
+        if not until:
+            return dict(self._discovered)
+        return {h: n for h, n in self._discovered.items() if until.get(h, -math.inf) <= now}
 
     # -- blacklisting ------------------------------------------------------
 
@@ -114,6 +135,7 @@ class HostManager:
                 delay = self._rng.uniform(delay, min(hi, delay * 1.5))
             until = now + delay
         self._until[host] = until
+        self.version += 1
         return until
 
     def failures(self, host: str) -> int:
@@ -137,6 +159,8 @@ class HostManager:
         expired = [h for h, t in self._until.items() if t <= now]
         for h in expired:
             del self._until[h]
+        if expired:
+            self.version += 1
         return tuple(h for h in self._ordered(expired) if h in self._discovered)
 
     def all_blacklisted(self, now: float) -> bool:

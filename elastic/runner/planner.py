@@ -33,7 +33,8 @@ def order_hosts(host_order, hosts):
 def plan_round(candidates, host_order, max_np=None):
     """Ordered member dicts for the next round.
 
-    ``candidates`` are the ready workers the driver wants; ``host_order`` the
+    ``candidates`` are the ready workers the driver wants (anything with
+    ``worker_id``, ``host`` and ``slot``: Candidates, WorkerViews); ``host_order`` the
     hosts that have taken part so far, oldest first. Beyond ``max_np`` the
     newest hosts' highest slots are left out. O(n log n) in the candidates.
     """
@@ -68,13 +69,14 @@ def assign(ordered):
             cross_size[local_rank] += 1
     size = len(ordered)
     members = []
+    append = members.append
     for rank, c in enumerate(ordered):
-        local_rank = local_rank_of[c.host, c.worker_id]
-        members.append({
-            "worker_id": c.worker_id, "host": c.host, "rank": rank, "size": size,
-            "local_rank": local_rank, "local_size": local_size[c.host],
-            "cross_rank": cross_rank_of[c.host, local_rank], "cross_size": cross_size[local_rank],
-        })
+        host, wid = c.host, c.worker_id
+        local_rank = local_rank_of[host, wid]
+        append({"worker_id": wid, "host": host, "rank": rank, "size": size,
+                "local_rank": local_rank, "local_size": local_size[host],
+                "cross_rank": cross_rank_of[host, local_rank],
+                "cross_size": cross_size[local_rank]})
     return members
 
 

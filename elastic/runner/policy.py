@@ -11,11 +11,14 @@ Nothing here does I/O, reads a clock or raises for a job that cannot go on
 (that is a ``Fail`` action). To teach the driver something new: add a fact
 field and an action in decisions.py, a step in ``_Tick``, a branch in
 ``Driver._carry_out``, and a case in tests/test_decide.py.
+
+Cost at thousands of workers (issue 14): ``can_skip`` lets a quiet tick cost O(1);
+a full tick is O(n) with small constants (no deep copies, no re-plan when the ready
+workers are the current round), and a tick that re-plans is O(n log n).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 from elastic.runner.decisions import (
@@ -46,10 +49,47 @@ from elastic.runner.decisions import (
 )
 from elastic.runner.exits import ExitKind, classify_exit, final_outcome
 from elastic.runner.planner import Candidate, describe_change, plan_round, same_membership
-from elastic.runner.stalls import StallView, describe, find_stalls
+from elastic.runner.stalls import StallView, describe, find_stalls, long_waits
 
 JOIN_BATCH_S = 15.0            # newcomers still importing torch are awaited this long
 FAILURE_REPORT_GRACE_S = 1.0   # a reported collective failure waits for the exit that explains it
+
+
+def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_reports,
+             newly_ready, unready, last_spawn_at, hosts_changed, stop_signal) -> bool:
+    """True only when ``decide`` would certainly return no action now: the driver may then
+    skip gathering the full facts and calling it. O(1) (plus the few preempted hosts).
+
+    The arguments describe what the driver saw since the last tick on which it ran decide:
+      settled_at       when that decide ran, if it returned no action (None: it acted)
+      exits            processes reaped this tick
+      liveness_checked heartbeats were read this tick (the liveness and stall rules run)
+      failure_reports  the current round's failure counter
+      newly_ready      workers whose ready key appeared since that decide
+      unready          live workers neither ready nor stopped
+      last_spawn_at    when the newest worker was started (None: none yet)
+      hosts_changed    HostManager.version moved since that decide (discovery, a blacklisting,
+                       or a cooldown that ``returning(now)``, called first, saw run out)
+      stop_signal      SIGTERM/SIGINT to elasticrun
+    Facts that move only on liveness ticks (heartbeats, progress, SIGTERM reports) or only
+    through actions (the job, stopped workers) need no argument; nor does ``joined``, which
+    only decides whether a publish aborts the round it replaces. The clock matters only
+    through the rules below; every one of them is checked or rules the skip out.
+    """
+    if settled_at is None or now < settled_at:
+        return False
+    if exits or liveness_checked or failure_reports or newly_ready or hosts_changed:
+        return False
+    if stop_signal is not None or job.stop_signal is not None:
+        return False                      # --stop-timeout runs
+    if job.phase is not Phase.RUNNING and job.phase is not Phase.FINISHING:
+        return False                      # starting and re-forming go on by the clock
+    if job.short_since is not None or job.failure_report_at is not None:
+        return False                      # --elastic-timeout, the failure-report grace
+    if unready and (last_spawn_at is None or settled_at - last_spawn_at < JOIN_BATCH_S):
+        return False                      # a newcomer may stop counting as starting
+    hold = limits.preempted_hold
+    return all(now - since <= hold for since in job.preempted.values())
 
 
 def decide(facts: Facts, now: float) -> list:
@@ -74,7 +114,8 @@ class _Tick:
         self.limits = facts.limits
         self.now = now
         self.job = facts.job
-        self.hosts = copy.deepcopy(facts.hosts)
+        self.hosts = facts.hosts              # copied before the first blacklisting
+        self._own_hosts = False
         self.workers = dict(facts.workers)
         self.pending = {e.worker_id: e for e in facts.exits}   # exits not handled yet
         self.actions = []
@@ -85,6 +126,8 @@ class _Tick:
         if isinstance(action, Stop):
             self._mark_stopped(action.worker_id)
         elif isinstance(action, HostFailed):
+            if not self._own_hosts:
+                self.hosts, self._own_hosts = self.hosts.copy(), True
             self.hosts.blacklist(action.host, self.now)
         elif isinstance(action, Spawn):
             self.workers[action.worker_id] = WorkerView(
@@ -118,7 +161,7 @@ class _Tick:
         job = self.job
         if job.stop_signal is None:
             self.emit(BeginStop(self.facts.stop_signal, self.now))
-            current = set(job.rounds.get(job.round_id, ()))
+            current = job.rounds.get(job.round_id, ())
             for wid, w in list(self.workers.items()):
                 if wid not in current and not w.stopped:
                     self.emit(Stop(wid))        # newcomers and leavers have nothing to save
@@ -126,7 +169,7 @@ class _Tick:
             e = self.pending.pop(wid)
             if e.code != 0 and not e.stopped:
                 # Peers blocked on it must give up their collective to reach the stop.
-                for round_id, ids in self.job.rounds.items():
+                for round_id, ids in list(self.job.rounds.items()):
                     if wid in ids and round_id not in self.job.aborted:
                         self.emit(Abort(round_id))
         code = 128 + self.job.stop_signal
@@ -140,8 +183,10 @@ class _Tick:
 
     # -- preemption: SIGTERM to one worker -------------------------------------------------
     def check_preempted(self):
+        if not self.job.preempted:
+            return
         listed = self.hosts.discovered()
-        for host, since in self.job.preempted.items():
+        for host, since in list(self.job.preempted.items()):
             # Gone from discovery (the machine went away): listed again, it is a fresh
             # host. Still listed after the hold: it was not going anywhere.
             if host not in listed or self.now - since > self.limits.preempted_hold:
@@ -150,9 +195,9 @@ class _Tick:
     def preempt(self, wid, w, leaving):
         self.emit(Preempted(wid, w.host, int(leaving.get("signal") or 15), self.now))
         self.workers[wid] = dataclasses.replace(self.workers[wid], leaving_since=self.now)
-        if not any(wid in ids for ids in self.job.rounds.values()):
+        if not self.job.admitted(wid):
             self.emit(Stop(wid))            # never admitted: nothing to drain
-        elif wid in self.job.member_ids():
+        elif wid in self.job.member_set:
             self.emit(Reform())
 
     # -- stalls: a rank its peers wait on makes no progress -----------------------------------
@@ -160,10 +205,13 @@ class _Tick:
         if not self.facts.liveness_checked:
             return
         job = self.job
-        live = [r for r in job.rounds if r not in job.aborted]
-        views = [StallView(wid, w.liveness, {r for r in live if wid in job.rounds[r]})
-                 for wid, w in self.workers.items()
-                 if not w.stopped and w.ready and w.liveness is not None]
+        watched = [(wid, w) for wid, w in self.workers.items()
+                   if not w.stopped and w.ready and w.liveness is not None]
+        if not long_waits((w.liveness for _, w in watched), self.limits.stall_timeout, self.now):
+            return                        # nobody waited long enough for any stall rule
+        live = [(r, ids) for r, ids in job.rounds.items() if r not in job.aborted]
+        views = [StallView(wid, w.liveness, {r for r, ids in live if wid in ids})
+                 for wid, w in watched]
         for stall in find_stalls(views, self.limits.stall_timeout, self.now):
             w = self.workers.get(stall.worker_id)
             if w is None or w.stopped:
@@ -183,7 +231,9 @@ class _Tick:
 
     # -- exits ----------------------------------------------------------------------------
     def handle_exits(self):
-        current = self.job.member_ids()
+        if not self.pending:
+            return
+        current = self.job.member_set
         for wid in list(self.pending):
             e = self.pending.pop(wid)
             job = self.job
@@ -206,7 +256,8 @@ class _Tick:
                 self.stop_all_but_finals()
                 self.emit(RecordExit(wid, e.code, final=True))
             elif kind is ExitKind.FINISHED:
-                done = e.done_round if e.done_round is not None else job.round_id
+                # A round the bookkeeping no longer keeps (or never had): the current one.
+                done = e.done_round if e.done_round in job.rounds else job.round_id
                 self.emit(StartFinishing(done))
                 self.stop_all_but_finals()
                 self.emit(RecordExit(wid, e.code, final=True))
@@ -222,7 +273,7 @@ class _Tick:
         return list(self.workers) + list(self.pending)
 
     def stop_all_but_finals(self):
-        finals = set(self.job.rounds.get(self.job.final_round, ()))
+        finals = self.job.rounds.get(self.job.final_round, ())
         for wid in self.live_ids():
             if wid not in finals:
                 self.emit(Stop(wid))
@@ -236,18 +287,18 @@ class _Tick:
         for other in on_host:
             self.emit(Stop(other))
             dead.add(other)
-        for round_id, ids in self.job.rounds.items():
-            if round_id not in self.job.aborted and dead & set(ids):
+        for round_id, ids in list(self.job.rounds.items()):
+            if round_id not in self.job.aborted and any(w in ids for w in dead):
                 self.emit(Abort(round_id))
-        if dead & self.job.member_ids():
+        if any(w in self.job.member_set for w in dead):
             self.emit(Reform())
 
     # -- the end --------------------------------------------------------------------------
     def check_end(self):
         job = self.job
         if job.final_round is None:
-            in_rounds = {wid for ids in job.rounds.values() for wid in ids}
-            if job.round_id and not in_rounds & set(self.workers):
+            kept = list(job.rounds.values())
+            if job.round_id and not any(any(w in ids for ids in kept) for w in self.workers):
                 self.emit(Fail(f"all workers failed (round {job.round_id} has no survivor "
                                "holding the training state)"))
             return
@@ -304,35 +355,47 @@ class _Tick:
             self.emit(MarkFailureReport(None))
 
     # -- membership -----------------------------------------------------------------------
-    def wanted_slots(self):
-        return [(h, s) for h, n in self.hosts.available(self.now).items()
-                if h not in self.job.preempted for s in range(n)]
+    def wanted_hosts(self):
+        """host -> the slots wanted there: available and not preempted, first-seen order."""
+        available, preempted = self.hosts.available(self.now), self.job.preempted
+        if not preempted:
+            return available
+        return {h: n for h, n in available.items() if h not in preempted}
 
     def reconcile(self):
         job, limits = self.job, self.limits
         if job.phase is Phase.FINISHING:
             return
-        wanted = self.wanted_slots()
-        wanted_set = set(wanted)
-        admitted = {wid for ids in job.rounds.values() for wid in ids}
-        for wid, w in list(self.workers.items()):
-            # Workers of a past round leave by themselves at their next commit.
-            if (w.host, w.slot) not in wanted_set and wid not in admitted and not w.stopped:
-                self.emit(Stop(wid))
-        if job.phase is Phase.STARTING and len(wanted) < limits.np and not self.workers:
-            self.check_short(len(wanted), limits.np, "to start")
+        slots = self.wanted_hosts()
+        n_wanted = sum(slots.values())
+        unwanted, ready = [], 0       # ready: live workers on wanted slots, ready to train
+        for wid, w in self.workers.items():
+            if w.stopped:
+                continue
+            if 0 <= w.slot < slots.get(w.host, 0):
+                ready += w.ready
+            elif not job.admitted(wid):
+                unwanted.append(wid)  # past rounds' workers leave by themselves at a commit
+        for wid in unwanted:
+            self.emit(Stop(wid))
+        if job.phase is Phase.STARTING and n_wanted < limits.np and not self.workers:
+            self.check_short(n_wanted, limits.np, "to start")
             return
-        self.spawn_missing(wanted)
-        candidates = [Candidate(w.worker_id, w.host, w.slot) for w in self.workers.values()
-                      if w.ready and not w.stopped and (w.host, w.slot) in wanted_set]
-        target = plan_round(candidates, list(self.job.host_order), limits.max_np)
-        starting = [w for w in self.workers.values() if not w.ready and not w.stopped
-                    and self.now - w.started < JOIN_BATCH_S]
+        unchanged = job.phase is Phase.RUNNING and self.ready_are_members(slots, ready)
+        m = len(job.members)
+        if not (unchanged and (m >= n_wanted or m >= (limits.max_np or n_wanted))):
+            self.spawn_missing(slots, n_wanted)   # (the members fill every slot it could use)
         job = self.job
+        if unchanged:
+            return                  # the plan would be the current round again
+        # WorkerViews plan as Candidates do (worker_id, host, slot), without a copy each.
+        candidates = [w for w in self.workers.values()
+                      if w.ready and not w.stopped and 0 <= w.slot < slots.get(w.host, 0)]
+        target = plan_round(candidates, list(job.host_order), limits.max_np)
         if job.phase is Phase.STARTING:
-            if len(wanted) < limits.min_np:
-                self.check_short(len(wanted), limits.min_np, "to start")
-            elif starting:
+            if n_wanted < limits.min_np:
+                self.check_short(n_wanted, limits.min_np, "to start")
+            elif self.any_starting():
                 return   # slots exist; workers are importing torch, which is not a shortage
             elif len(target) < limits.min_np:
                 self.check_short(len(target), limits.min_np, "to start")
@@ -348,10 +411,34 @@ class _Tick:
             return
         if job.short_since is not None:
             self.emit(MarkShort(None))
-        removals = job.member_ids() - {m["worker_id"] for m in target}
-        if not reforming and not removals and starting:
+        removals = job.member_set - {m["worker_id"] for m in target}
+        if not reforming and not removals and self.any_starting():
             return   # batch newcomers that are still starting up
         self.publish(target)
+
+    def any_starting(self):
+        """A newcomer is still importing torch (and has not been waited for too long)."""
+        now = self.now
+        return any(not w.ready and not w.stopped and now - w.started < JOIN_BATCH_S
+                   for w in self.workers.values())
+
+    def ready_are_members(self, slots, ready):
+        """True when the ``ready`` workers on wanted slots are exactly the current round's
+        members, already in plan order (host_order, then slot) and within --max-np: then
+        plan_round would return the current round. O(n), without planning."""
+        job, workers, max_np = self.job, self.workers, self.limits.max_np
+        if max_np is not None and len(job.members) > max_np:
+            return False
+        place, last = job.host_rank, (-1, -1)
+        for m in job.members:
+            w = workers.get(m["worker_id"])
+            if w is None or not w.ready or w.stopped or not 0 <= w.slot < slots.get(w.host, 0):
+                return False
+            key = (place.get(w.host), w.slot)
+            if key[0] is None or key <= last:
+                return False
+            last = key
+        return ready == len(job.members)
 
     def check_short(self, have, need, what):
         if self.job.short_since is None:
@@ -365,10 +452,13 @@ class _Tick:
             self.emit(Fail("every host is blacklisted; no slots left to run on"
                            + (f" (last failure: {last})" if last else "")))
 
-    def spawn_missing(self, wanted):
+    def spawn_missing(self, slots, n_wanted):
         occupied = {(w.host, w.slot) for w in self.workers.values() if not w.stopped}
-        room = (self.limits.max_np or len(wanted)) - len(occupied)
-        fresh = [hs for hs in wanted if hs not in occupied][:max(room, 0)]
+        room = (self.limits.max_np or n_wanted) - len(occupied)
+        if room <= 0:
+            return
+        fresh = [(h, s) for h, n in slots.items() for s in range(n) if (h, s) not in occupied]
+        fresh = fresh[:room]
         if not fresh:
             return
         ids = [str(self.job.next_worker + i) for i in range(len(fresh))]

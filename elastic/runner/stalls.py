@@ -79,27 +79,85 @@ def warn_after(stall_timeout):
     return min(stall_timeout / 2.0, WARN_AT_MOST_S)
 
 
+def long_waits(livenesses, stall_timeout, now):
+    """Whether any rank has waited on peers long enough for find_stalls to act on someone:
+    each of its rules needs a peer that waited at least ``warn_after``. O(n), no views."""
+    least = warn_after(stall_timeout)
+    for live in livenesses:
+        if not live.waiting:
+            continue
+        waited = live.waited(now)
+        if waited > 0 and waited >= least:
+            return True
+    return False
+
+
+class _Waiters:
+    """The ranks waiting in one round: how many, what in, and the two longest waits."""
+
+    __slots__ = ("count", "names", "top")
+
+    def __init__(self):
+        self.count, self.names, self.top = 0, {}, []
+
+    def add(self, index, waited, what):
+        self.count += 1
+        self.names[what] = self.names.get(what, 0) + 1
+        self.top = sorted(self.top + [(waited, index)], reverse=True)[:2]
+
+    def longest_except(self, index):
+        return max((w for w, i in self.top if i != index), default=None)
+
+
 def find_stalls(views, stall_timeout, now):
     """The stalls to act on now, at most one per worker.
 
     A busy rank (not waiting) is stuck once both its own silence and its
     peers' wait on it pass the threshold. A rank that itself waits in an
     older round than the one its peers wait in (it missed that round's abort)
-    is not blamed: that older round is aborted instead.
+    is not blamed: that older round is aborted instead. O(n x rounds): the
+    waiting ranks are grouped by the round they wait in.
     """
+    views = list(views)
+    if not long_waits((v.liveness for v in views), stall_timeout, now):
+        return []
+    by_round = {}
+    for i, v in enumerate(views):
+        waited = v.liveness.waited(now)
+        if waited > 0:
+            round_id = v.liveness.waiting.get("round")
+            try:
+                group = by_round.setdefault(round_id, _Waiters())
+            except TypeError:
+                continue                  # not a round id: in no view's rounds
+            group.add(i, waited, v.liveness.waiting.get("what", "?"))
     out = []
-    for view in views:
+    for i, view in enumerate(views):
         me = view.liveness
         if me.leaving:
             continue
         idle = now - me.progress_at
-        peers = [v for v in views if v is not view and v.liveness.waited(now) > 0
-                 and v.liveness.waiting.get("round") in view.rounds]
-        if not peers:
+        in_rounds = [(r, by_round[r]) for r in set(view.rounds) if r in by_round]
+        mine_waited = me.waited(now) > 0
+        my_round = me.waiting.get("round") if mine_waited else None
+        count, waited, names, peer_round = 0, None, {}, None
+        for r, group in in_rounds:
+            me_here = mine_waited and my_round == r
+            n = group.count - (1 if me_here else 0)
+            if n <= 0:
+                continue
+            count += n
+            longest = group.longest_except(i) if me_here else group.top[0][0]
+            waited = longest if waited is None else max(waited, longest)
+            for name, k in group.names.items():
+                names[name] = names.get(name, 0) + k
+            if me_here:
+                what = me.waiting.get("what", "?")
+                names[what] -= 1
+            peer_round = int(r) if peer_round is None else max(peer_round, int(r))
+        if not count:
             continue
-        waited = max(p.liveness.waited(now) for p in peers)
-        what = _most_common([p.liveness.waiting.get("what", "?") for p in peers])
-        peer_round = max(int(p.liveness.waiting.get("round", 0)) for p in peers)
+        what = max(sorted(name for name, k in names.items() if k > 0), key=names.get)
         mine = me.waiting
         if mine is not None and not mine.get("on_peers", True):
             continue                  # it waits for the driver, not for anyone
@@ -109,19 +167,15 @@ def find_stalls(views, stall_timeout, now):
             older = int(mine.get("round", 0))
             if older < peer_round and older in view.rounds and mine.get("what") in SETUP_WAITS \
                     and min(idle, waited) >= stall_timeout:
-                out.append(Stall(view.worker_id, "abort", idle, len(peers), what, older))
+                out.append(Stall(view.worker_id, "abort", idle, count, what, older))
             continue
         stalled_for = min(idle, waited)
         if stalled_for >= warn_after(stall_timeout) and not me.warned:
             # Always warned before evicted, even when a slow tick came late.
-            out.append(Stall(view.worker_id, "warn", idle, len(peers), what))
+            out.append(Stall(view.worker_id, "warn", idle, count, what))
         elif stalled_for >= stall_timeout:
-            out.append(Stall(view.worker_id, "evict", idle, len(peers), what))
+            out.append(Stall(view.worker_id, "evict", idle, count, what))
     return out
-
-
-def _most_common(names):
-    return max(sorted(set(names)), key=names.count)
 
 
 def describe(stall, host):
