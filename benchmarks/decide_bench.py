@@ -5,6 +5,7 @@ it reads heartbeats and ``policy.decide`` looks at every worker. This measures,
 for N workers (one slot per host, and 8 slots per host), the median wall time of:
 
   quiet     ``policy.can_skip`` on a tick where nothing happened
+  tick      ``decide`` on that quiet tick (what it costs when not skipped; before can_skip, always)
   liveness  ``decide`` on a heartbeat tick of a healthy running job
   crash     ``decide`` on a tick with one worker's non-zero exit (re-plans)
   spawn     ``decide`` on a tick where discovery added one host (spawns its workers)
@@ -31,7 +32,7 @@ from elastic.runner.stalls import Liveness  # noqa: E402
 
 SIZES = (256, 1024, 4096)
 SLOTS = (1, 8)
-ROWS = ("quiet", "liveness", "crash", "spawn", "admit", "plan")
+ROWS = ("quiet", "tick", "liveness", "crash", "spawn", "admit", "plan")
 NOW = 1000.0
 
 
@@ -86,6 +87,10 @@ def measure_one(n, slots, budget_s=0.25):
     out = {}
     quiet = _quiet(job, limits)
     out["quiet"] = _median(quiet, budget_s) if quiet else None
+
+    quiet_facts = _facts(job, hosts, workers, limits)
+    assert policy.decide(quiet_facts, NOW) == []
+    out["tick"] = _median(lambda: policy.decide(quiet_facts, NOW), budget_s)
 
     facts = _facts(job, hosts, workers, limits, liveness_checked=True)
     assert policy.decide(facts, NOW) == [], "a healthy job must decide nothing"

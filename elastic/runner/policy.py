@@ -48,7 +48,7 @@ from elastic.runner.decisions import (
     evolve,
 )
 from elastic.runner.exits import ExitKind, classify_exit, final_outcome
-from elastic.runner.planner import Candidate, describe_change, plan_round, same_membership
+from elastic.runner.planner import describe_change, plan_round, same_membership
 from elastic.runner.stalls import StallView, describe, find_stalls, long_waits
 
 JOIN_BATCH_S = 15.0            # newcomers still importing torch are awaited this long
@@ -100,6 +100,15 @@ def decide(facts: Facts, now: float) -> list:
     except _Done:
         pass
     return tick.actions
+
+
+class _Seat:
+    """A planner candidate (what ``planner.Candidate`` holds) that is cheap to make."""
+
+    __slots__ = ("worker_id", "host", "slot")
+
+    def __init__(self, worker_id, host, slot):
+        self.worker_id, self.host, self.slot = worker_id, host, slot
 
 
 class _Done(Exception):
@@ -464,8 +473,8 @@ class _Tick:
         ids = [str(self.job.next_worker + i) for i in range(len(fresh))]
         members = [m for m in self.job.members if m["worker_id"] in self.workers]
         tentative = plan_round(
-            [Candidate(m["worker_id"], m["host"], self.workers[m["worker_id"]].slot)
-             for m in members] + [Candidate(i, h, s) for i, (h, s) in zip(ids, fresh)],
+            [_Seat(m["worker_id"], m["host"], self.workers[m["worker_id"]].slot)
+             for m in members] + [_Seat(i, h, s) for i, (h, s) in zip(ids, fresh)],
             list(self.job.host_order))
         by_id = {m["worker_id"]: m for m in tentative}
         for wid, (host, slot) in zip(ids, fresh):
