@@ -444,7 +444,7 @@ def test_bookkeeping_stays_bounded_over_1000_publishes_with_aborts_and_failures(
     rng = random.Random(14)
     world = World({h: 1 for h in "abcdef"}, Limits(np=4, min_np=1, max_np=8), cooldown=(1, 1))
     world.running()
-    now, publishes, failures = 1.0, 1, 0
+    now, publishes, failures, aborts = 1.0, 1, 0, 0
     while publishes < 1000:
         now += 2.0                                   # every cooldown has run out
         world.hosts.returning(now)
@@ -459,12 +459,12 @@ def test_bookkeeping_stays_bounded_over_1000_publishes_with_aborts_and_failures(
         actions += world.tick(now + 0.1)
         assert not any(isinstance(a, (Fail, Finish)) for a in actions), actions
         publishes += sum(isinstance(a, Publish) for a in actions)
+        aborts += sum(isinstance(a, Abort) for a in actions)
         job = world.job
         assert len(job.rounds) <= ROUNDS_KEPT and job.round_id in job.rounds
         assert job.aborted <= set(job.rounds)
         assert all(job.admitted(w) for w in job.failed_exits)
-    assert failures > 300 and world.job.round_id >= 1000
-    assert any(isinstance(a, Abort) for a in actions) or world.job.aborted
+    assert failures > 300 and aborts > 300 and world.job.round_id >= 1000
 
 
 def test_a_final_round_the_bookkeeping_forgot_finishes_with_the_current_round():
@@ -551,6 +551,7 @@ def _simulate(seed, steps=120):
     Returns how many ticks were skipped; asserts decide had nothing to do on each."""
     import random
 
+    from elastic.runner.planner import Candidate, plan_round
     from elastic.runner.policy import can_skip
     rng = random.Random(seed)
     np_ = rng.randint(1, 4)
@@ -607,6 +608,12 @@ def _simulate(seed, steps=120):
             continue
         actions = world.tick(now, liveness)
         version, newly_ready = world.hosts.version, 0
+        if any(isinstance(a, Publish) for a in actions):
+            # What lets reconcile skip planning: a round, re-planned as it stands, is itself.
+            job = world.job
+            seats = [Candidate(m["worker_id"], m["host"], world.workers[m["worker_id"]].slot)
+                     for m in job.members]
+            assert plan_round(seats, list(job.host_order), limits.max_np) == list(job.members)
         if any(isinstance(a, Spawn) for a in actions):
             last_spawn = now
         settled_at = None if actions else now
