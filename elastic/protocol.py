@@ -183,6 +183,10 @@ class ControlStore:
     def has(self, key):
         return self.get(key) is not None
 
+    def keys(self):
+        """Every key under the job's namespace (what any client can list too)."""
+        return list(self.raw.list_keys())
+
     def present(self, key):
         """Whether anything at all is stored under ``key`` (verified or not)."""
         return self.raw.check([key])
@@ -301,42 +305,65 @@ def serve_proof(secret, nonce):
     return hmac.new(secret, b"elastic-serve\0" + nonce.encode(), hashlib.sha256).hexdigest()
 
 
+def agent_name(secret, token):
+    """An agent's name in the store: a random token and its tag, an HMAC of the token.
+
+    Agents never claim a shared counter or slot an outsider could squat ahead of
+    them: each picks a fresh random token, and the hub finds registrations by
+    listing keys, keeping only names whose tag verifies (an outsider's fake
+    names are dropped without a store read)."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    tag = hmac.new(secret, b"elastic-agent\0" + token.encode(), hashlib.sha256).hexdigest()[:16]
+    return f"{token}-{tag}"
+
+
+def is_agent_name(secret, name):
+    token, sep, _ = name.rpartition("-")
+    return bool(sep) and hmac.compare_digest(agent_name(secret, token), name)
+
+
 class AgentKeys:
-    """Keys between a serving driver and its joining agents (all signed but ``slot``,
-    which an agent claims with compare_set before it registers)."""
+    """Keys between a serving driver and its joining agents, all signed, each under the
+    agent's name (agent_name)."""
 
     FINISHED = "serve/finished"        # the driver's goodbye: agents exit
+    PREFIX = "agent/"
 
     @staticmethod
-    def bye(index):
+    def bye(name):
         """The agent saw FINISHED and stops: the driver may exit."""
-        return f"agent/{index}/bye"
+        return f"agent/{name}/bye"
 
     @staticmethod
-    def slot(index):
-        return f"agent/slot/{index}"
+    def info(name):
+        """{"host", "slots", "pid"}: the agent's registration."""
+        return f"agent/{name}/info"
 
     @staticmethod
-    def info(index):
-        """{"host", "slots", "pid", "token"}: the agent's registration."""
-        return f"agent/{index}/info"
+    def registered(key):
+        """The agent name in an ``info`` key (as list_keys shows it), else None."""
+        if key.startswith(AgentKeys.PREFIX) and key.endswith("/info"):
+            name = key[len(AgentKeys.PREFIX):-len("/info")]
+            return name if name and "/" not in name else None
+        return None
 
     @staticmethod
-    def accepted(index):
+    def accepted(name):
         """{"ok": true} or {"ok": false, "reason": ...}: the driver's answer."""
-        return f"agent/{index}/accepted"
+        return f"agent/{name}/accepted"
 
     @staticmethod
-    def beat(index):
+    def beat(name):
         """{"seq", "draining"}: the agent is alive (and whether it is leaving)."""
-        return f"agent/{index}/beat"
+        return f"agent/{name}/beat"
 
     @staticmethod
-    def request(index, seq):
+    def request(name, seq):
         """Driver -> agent, in order: {"op": "spawn"|"kill", "worker_id", ...}."""
-        return f"agent/{index}/to/{seq}"
+        return f"agent/{name}/to/{seq}"
 
     @staticmethod
-    def report(index, seq):
+    def report(name, seq):
         """Agent -> driver, in order: {"out": [[worker, stream, line]], "exits": [[worker, code]]}."""
-        return f"agent/{index}/from/{seq}"
+        return f"agent/{name}/from/{seq}"

@@ -71,6 +71,16 @@ class Outsider:
         self._call("set", key, blob)
         self.writes.append((key, what))
 
+    def set_many(self, keys, blob, what):
+        """One multi_set: as many keys as it likes, in a single write."""
+        keys = list(keys)
+        self._call("multi_set", keys, [blob] * len(keys))
+        self.writes.append((f"{len(keys)} keys", what))
+
+    def delete(self, key, what):
+        self._call("delete_key", key)
+        self.writes.append((key, what))
+
     def bump(self, key, what):
         """add(key, 1): on a key holding a non-number the store drops our connection."""
         self._call("add", key, 1)
@@ -88,9 +98,9 @@ class FirstSightVandal(threading.Thread):
     """Overwrites every key of the job once, with garbage, right after it first
     appears: the worst timing for readers, and still a single write per key."""
 
-    def __init__(self, outsider, namespace, skip=()):
+    def __init__(self, outsider, namespace, skip=(), every=0.01):
         super().__init__(name="vandal", daemon=True)
-        self.o, self.ns, self.skip = outsider, namespace, tuple(skip)
+        self.o, self.ns, self.skip, self.every = outsider, namespace, tuple(skip), every
         self.hit = set()
         self._halt = threading.Event()
 
@@ -101,7 +111,7 @@ class FirstSightVandal(threading.Thread):
                         and not any(s in key for s in self.skip):
                     self.hit.add(key)
                     self.o.set(key, b"vandalised", "overwritten at first sight")
-            self._halt.wait(0.01)
+            self._halt.wait(self.every)
 
     def stop(self):
         self._halt.set()

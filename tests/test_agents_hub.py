@@ -37,24 +37,40 @@ def test_signed_registrations_are_admitted_and_forged_ones_ignored():
     master, hub = _hub()
     try:
         ours = ControlStore(master, SECRET)
-        # An outsider who guessed the namespace still cannot sign: a bad MAC is absent.
-        ours.raw.compare_set(AgentKeys.slot(1), "", "t1")
+        good, twin = (protocol.agent_name(SECRET, t) for t in ("t-good", "t-twin"))
+        # An outsider who guessed the namespace still cannot sign: a bad MAC is absent,
+        # and a name whose tag does not verify is not even read.
         payload = json.dumps({"host": "evil", "slots": 8}).encode()
-        ours.raw.set(AgentKeys.info(1), b"0" * 64 + payload)
-        ours.raw.compare_set(AgentKeys.slot(2), "", "t2")
-        ours.put(AgentKeys.info(2), {"host": "good", "slots": 2, "pid": 1, "token": "t2"})
+        ours.raw.set(AgentKeys.info(protocol.agent_name("other", "t-evil")),
+                     ours.sealer.seal(AgentKeys.info("x"), payload))
+        forged = protocol.agent_name(SECRET, "t-forged")
+        ours.raw.set(AgentKeys.info(forged), b"0" * 64 + b".1." + payload)
+        ours.put(AgentKeys.info(good), {"host": "good", "slots": 2, "pid": 1})
         assert _wait(lambda: hub.discover() == {"good": 2}), hub.discover()
-        assert ours.get(AgentKeys.accepted(2)) == {"ok": True}
-        assert ours.get(AgentKeys.accepted(1)) is None
+        assert ours.get(AgentKeys.accepted(good)) == {"ok": True}
+        assert ours.get(AgentKeys.accepted(forged)) is None
+        # An answer an outsider overwrites comes back (the hub keeps it until the agent beats).
+        ours.raw.set(AgentKeys.accepted(good), b"garbage")
+        assert _wait(lambda: ours.get(AgentKeys.accepted(good)) == {"ok": True})
         # A second live agent under the same name is refused.
-        ours.raw.compare_set(AgentKeys.slot(3), "", "t3")
-        ours.put(AgentKeys.info(3), {"host": "good", "slots": 1, "pid": 2, "token": "t3"})
-        assert _wait(lambda: ours.get(AgentKeys.accepted(3)) is not None)
-        assert ours.get(AgentKeys.accepted(3))["ok"] is False
+        ours.put(AgentKeys.info(twin), {"host": "good", "slots": 1, "pid": 2})
+        assert _wait(lambda: ours.get(AgentKeys.accepted(twin)) is not None)
+        assert ours.get(AgentKeys.accepted(twin))["ok"] is False
         # Without heartbeats the agent is lost and leaves discovery.
         assert _wait(lambda: hub.discover() == {}, timeout=30)
     finally:
         hub.close(wait_s=0)
+
+
+def test_agent_names_carry_a_tag_only_the_secret_makes():
+    name = protocol.agent_name(SECRET, "0123abcd")
+    assert protocol.is_agent_name(SECRET, name)
+    assert not protocol.is_agent_name("other", name)
+    assert not protocol.is_agent_name(SECRET, "0123abcd-" + "0" * 16)
+    assert not protocol.is_agent_name(SECRET, "0123abcd")
+    assert AgentKeys.registered(AgentKeys.info(name)) == name
+    assert AgentKeys.registered(AgentKeys.beat(name)) is None
+    assert AgentKeys.registered("agent/a/b/info") is None
 
 
 def test_hello_proves_the_secret_and_a_wrong_one_does_not_match():

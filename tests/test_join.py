@@ -4,15 +4,20 @@ Real processes on loopback: one serving driver, several agents with their own
 --host-name, each running real workers of tests/workloads/train_job.py.
 """
 
+import json
 import re
+import secrets
 import signal
 import subprocess
 import sys
 
 import pytest
+from adversary import FAKE_MAC, FirstSightVandal, Outsider
 from jobs import REPO
 from join_cluster import ELASTICRUN, JoinJob, wait_until
 from procs import job_workers
+
+from elastic import protocol
 
 WORKER_LINE = re.compile(r"^\[\d+\]<stdout>:worker \d+ finished as rank \d+ of \d+$", re.M)
 
@@ -124,6 +129,65 @@ def test_wrong_secret_is_refused_and_a_killed_driver_leaves_no_orphan(join_job, 
                if line.startswith("elasticrun:")]
         assert "lost contact with the driver" in own[-1], own
     wait_until(lambda: not job_workers(job.out), "every worker to be gone", timeout=30)
+
+
+def _agent(job, secret_file, name):
+    return subprocess.Popen(
+        ELASTICRUN + ["--join", f"127.0.0.1:{job.port}", "--secret-file", str(secret_file),
+                      "--host-name", name, sys.executable, "-c", "pass"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=job.env)
+
+
+@pytest.mark.slow
+def test_an_outsider_cannot_keep_agents_out_or_make_the_hello_lie(join_job, tmp_path):
+    """Without the secret, an outsider squats every slot-like key, floods the store with
+    registrations under forged names, overwrites each new registration and answer at
+    first sight and forges the hello: the right secret still joins, a wrong one is still
+    refused with one line."""
+    job = join_job(["-np", "1", "--max-np", "2", "--worker-timeout", "10"],
+                   env={"JOB_HOLD": "3"}).start()
+    job.join("node-a")
+    job.wait_step(3, size=1)
+    o = Outsider("127.0.0.1", job.port)
+    ns = o.namespace()
+    o.set_many([f"{ns}agent/slot/{i}" for i in range(1, 10001)], b"squatted",
+               "every slot an agent could claim")
+    forged = FAKE_MAC + b".1." + json.dumps({"host": "evil", "slots": 64}).encode()
+    o.set_many([f"{ns}agent/{secrets.token_hex(16)}-{'0' * 16}/info" for _ in range(2000)],
+               forged, "registrations under names with forged tags")
+    real = [k for k in o.keys() if k.startswith(ns + "agent/") and k.endswith("/info")
+            and "0" * 16 not in k]
+    assert real, "node-a's registration is visible"
+    o.set(f"{ns}agent/{secrets.token_hex(16)}-{'1' * 16}/info", o.get(real[0]),
+          "node-a's registration copied under another name")
+    vandal = FirstSightVandal(o, ns + "agent/", skip=("/to/", "/from/", "/bye", "/slot/",
+                                                      "0" * 16), every=0.05)
+    vandal.start()
+    nonce = secrets.token_hex(16)
+    o.set(protocol.HELLO_KEY, b"garbage", "a garbage hello")
+    o.set(protocol.HELLO_KEY, json.dumps(
+        {"nonce": nonce, "proof": protocol.serve_proof("not-the-secret", nonce)}),
+        "a hello that proves another secret")
+    wrong = tmp_path / "wrong-secret"
+    wrong.write_text("not-the-secret\n")
+    intruder = _agent(job, wrong, "intruder")
+    job.join("node-b")
+    try:
+        job.wait_for(lambda: re.search(r"round \d+: 2 workers", job.output()) is not None,
+                     "node-b to join despite the outsider")
+        out, err = intruder.communicate(timeout=120)
+    finally:
+        vandal.stop()
+    assert intruder.returncode == 1 and err.strip().count("\n") == 0, err
+    assert "refused by the driver" in err and "secret" in err and "Traceback" not in out + err
+    hit = [k for k in vandal.hit if k.endswith(("/info", "/accepted"))]
+    assert len(hit) >= 2, vandal.hit       # node-b's registration and answer were vandalised
+    job.release(3)
+    job.assert_ok(job.finish(), final_size=2)
+    out = job.output()
+    assert "agent joined: node-b" in out
+    assert "evil" not in out and "intruder" not in out
+    assert len(re.findall(r"agent joined:", out)) == 2, out[-3000:]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -140,23 +140,23 @@ class Agent:
                               f"{self.cfg.connect_timeout:g} s") from None
         self._check_hello(where)
         self.control = ControlStore(self.store, self.secret)
-        token = self.token = secrets.token_hex(8)
-        index = 1
-        while self.control.raw.compare_set(AgentKeys.slot(index), "", token) != token.encode():
-            index += 1
-        self.index = index
-        self.control.put(AgentKeys.info(index), {"host": self.cfg.host_name,
-                                                 "slots": self.cfg.slots,
-                                                 "pid": os.getpid(), "token": token})
+        # A fresh random name, nothing shared to claim: an outsider cannot take it first.
+        name = self.index = protocol.agent_name(self.secret, secrets.token_hex(16))
+        self.control.put(AgentKeys.info(name), {"host": self.cfg.host_name,
+                                                "slots": self.cfg.slots, "pid": os.getpid()},
+                         keep=True)
         deadline = time.monotonic() + ACCEPT_WAIT_S
         while True:
-            answer = self._verified(AgentKeys.accepted(index))
+            answer = self._verified(AgentKeys.accepted(name))
             if answer is not None:
                 break
             if time.monotonic() > deadline:
                 raise AgentFailed(f"the driver at {where} did not answer the registration "
-                                  f"within {ACCEPT_WAIT_S:g} s")
+                                  f"within {ACCEPT_WAIT_S:g} s (is --secret-file "
+                                  f"{self.cfg.secret_file} the job's secret?)")
             time.sleep(TICK_S)
+            self.control.heal()       # the registration stays readable whatever overwrote it
+        self.control.forget(AgentKeys.info(name))
         if not answer.get("ok"):
             raise AgentFailed(f"the driver at {where} refused this agent: "
                               f"{answer.get('reason', 'no reason given')}")
@@ -233,8 +233,9 @@ class Agent:
                 try:
                     store = protocol.connect(self.cfg.driver_host, self.cfg.driver_port, 5)
                     control = ControlStore(store, self.secret)
-                    claimed = control.raw.check([AgentKeys.slot(self.index)]) and \
-                        bytes(control.raw.get(AgentKeys.slot(self.index))) == self.token.encode()
+                    # A restarted driver's store holds nothing of ours.
+                    claimed = control.present(AgentKeys.info(self.index)) or \
+                        control.present(AgentKeys.beat(self.index))
                 except Exception:  # noqa: BLE001 - still gone
                     claimed = None
                 if claimed:

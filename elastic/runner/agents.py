@@ -12,6 +12,13 @@ An agent whose heartbeat stops is lost: it leaves discovery and each of its
 workers reads as exited with ``AGENT_LOST``, which the driver treats as any
 failed worker (its host is blacklisted). An agent that is draining (SIGTERM)
 leaves discovery at once, so the driver re-forms the round without it.
+
+Registrations are found by listing keys, not by a shared counter or slot list:
+an agent names itself with a random token and its tag (protocol.agent_name),
+so an outsider has nothing to squat, and names whose tag does not verify are
+dropped without a store read. The listing runs on its own connection and
+thread, so an outsider flooding the store with keys slows joining down, never
+the polling of agents already in.
 """
 
 import logging
@@ -27,7 +34,8 @@ from elastic.runner.discovery import Discovery
 
 log = logging.getLogger("elasticrun")
 POLL_S = 0.1
-HELLO_REFRESH_S = 1.0
+SCAN_S = 0.5               # how often registrations are listed
+HELLO_REFRESH_S = 0.5      # an outsider's hello lasts this long at most
 AGENT_LOST = 137           # what a lost agent's workers read as (128 + SIGKILL)
 _NOT_SENT = {protocol.ENV_SECRET, protocol.ENV_SECRET_FILE, protocol.ENV_ADDR,
              protocol.ENV_DRIVER_PID}
@@ -35,7 +43,7 @@ _NOT_SENT = {protocol.ENV_SECRET, protocol.ENV_SECRET_FILE, protocol.ENV_ADDR,
 
 @dataclass
 class _Agent:
-    index: int
+    index: str             # its name in the store (protocol.agent_name)
     host: str
     slots: int
     seen: float
@@ -83,9 +91,9 @@ class AgentHub(Discovery):
     def __init__(self, timeout_s=30.0, sink=None):
         self.timeout_s = timeout_s
         self.sink = sink
-        self._agents = {}          # index -> _Agent
-        self._pending = set()      # claimed indices whose registration has not arrived
-        self._scanned = 0
+        self._agents = {}          # name -> _Agent
+        self._pending = set()      # names listed whose registration is not answered yet
+        self._registrations = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = None
@@ -100,6 +108,9 @@ class AgentHub(Discovery):
         self.control = ControlStore(store, secret)
         self.sink = sink
         self._publish_hello()
+        self._registrations = _Registrations(protocol.connect(address, port, 30), secret,
+                                             self._stop)
+        self._registrations.start()
         self._thread = threading.Thread(target=self._run, name="elastic-agents", daemon=True)
         self._thread.start()
 
@@ -107,8 +118,9 @@ class AgentHub(Discovery):
         """Tell every agent the job is over and give them a moment to see it
         (they exit cleanly instead of reporting a lost driver)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2.0)
+        for thread in (self._thread, self._registrations):
+            if thread is not None:
+                thread.join(2.0)
         if self.control is None:
             return
         try:
@@ -168,6 +180,7 @@ class AgentHub(Discovery):
                 with self._lock:
                     if now - last_hello > HELLO_REFRESH_S:
                         self._publish_hello()
+                        self.control.heal()     # answers an outsider overwrote
                         last_hello = now
                     self._scan(now)
                     for agent in list(self._agents.values()):
@@ -184,36 +197,38 @@ class AgentHub(Discovery):
         self._raw.set(protocol.HELLO_KEY, f'{{"nonce":"{nonce}","proof":"{proof}"}}')
 
     def _scan(self, now):
-        raw = self.control.raw
-        while raw.check([AgentKeys.slot(self._scanned + 1)]):
-            self._scanned += 1
-            self._pending.add(self._scanned)
-        for index in sorted(self._pending):
-            info = self._verified(AgentKeys.info(index))
+        self._pending.update(self._registrations.take())
+        for name in sorted(self._pending):
+            info = self._verified(AgentKeys.info(name))
             if info is None:
-                continue
-            self._pending.discard(index)
-            self._admit(index, info, now)
+                continue       # not readable yet, or overwritten: the agent puts it back
+            self._pending.discard(name)
+            self._admit(name, info, now)
 
-    def _admit(self, index, info, now):
+    def _admit(self, name, info, now):
+        """Answer a registration; the answer is kept (healed) until the agent beats."""
         host, slots = info.get("host"), info.get("slots")
         if not (isinstance(host, str) and host and isinstance(slots, int) and slots >= 1):
-            self.control.put(AgentKeys.accepted(index), {"ok": False,
-                                                         "reason": "malformed registration"})
+            self.control.put(AgentKeys.accepted(name), {"ok": False,
+                                                        "reason": "malformed registration"},
+                             keep=True)
             return
         taken = [a for a in self._agents.values() if a.host == host and not a.lost]
         if taken:
             reason = f"host name {host!r} is in use by another live agent; give --host-name"
-            self.control.put(AgentKeys.accepted(index), {"ok": False, "reason": reason})
-            log.warning("agent %d refused: %s", index, reason)
+            self.control.put(AgentKeys.accepted(name), {"ok": False, "reason": reason},
+                             keep=True)
+            log.warning("agent on %s refused: %s", host, reason)
             return
-        self._agents[index] = _Agent(index, host, slots, seen=now)
-        self.control.put(AgentKeys.accepted(index), {"ok": True})
+        self._agents[name] = _Agent(name, host, slots, seen=now)
+        self.control.put(AgentKeys.accepted(name), {"ok": True}, keep=True)
         log.info("agent joined: %s with %d slot%s", host, slots, "s" if slots != 1 else "")
 
     def _poll_agent(self, agent, now):
         beat = self._verified(AgentKeys.beat(agent.index))
         if beat is not None and isinstance(beat.get("seq"), int) and beat["seq"] > agent.seq:
+            if not agent.seq:
+                self.control.forget(AgentKeys.accepted(agent.index))   # it read the answer
             agent.seq, agent.seen = beat["seq"], now
             if beat.get("draining") and not agent.draining:
                 agent.draining = True
@@ -257,3 +272,36 @@ class AgentHub(Discovery):
         except (ControlError, ValueError):
             return None
         return value if isinstance(value, dict) else None
+
+
+class _Registrations(threading.Thread):
+    """Lists agent registrations on its own connection; hands over each verified name once."""
+
+    def __init__(self, store, secret, stop):
+        super().__init__(name="elastic-agent-registrations", daemon=True)
+        self._control = ControlStore(store, secret)
+        self._secret = secret
+        self._halt = stop
+        self._seen = set()
+        self._new = []
+        self._lock = threading.Lock()
+
+    def run(self):
+        while not self._halt.is_set():
+            try:
+                keys = self._control.keys()
+            except Exception as exc:  # noqa: BLE001 - a store hiccup must not end listing
+                log.debug("listing agent registrations: %s", exc)
+                keys = ()
+            names = {AgentKeys.registered(k) for k in keys} - self._seen - {None}
+            fresh = [n for n in names if protocol.is_agent_name(self._secret, n)]
+            if fresh:
+                self._seen.update(fresh)
+                with self._lock:
+                    self._new.extend(fresh)
+            self._halt.wait(SCAN_S)
+
+    def take(self):
+        with self._lock:
+            new, self._new = self._new, []
+        return new
