@@ -355,13 +355,19 @@ class AgentKeys:
 
     @staticmethod
     def beat(name):
-        """{"seq", "draining"}: the agent is alive (and whether it is leaving)."""
+        """{"seq", "draining", "received"}: the agent is alive, whether it is leaving, and
+        how many requests it has read (those may go)."""
         return f"agent/{name}/beat"
 
     @staticmethod
     def request(name, seq):
         """Driver -> agent, in order: {"op": "spawn"|"kill", "worker_id", ...}."""
         return f"agent/{name}/to/{seq}"
+
+    @staticmethod
+    def read(name):
+        """{"reports": n}: the driver has read the agent's reports up to n (they may go)."""
+        return f"agent/{name}/read"
 
     @staticmethod
     def report(name, seq):

@@ -16,15 +16,15 @@ FAKE_MAC = b"0" * 64
 
 
 class Outsider:
-    def __init__(self, addr, port):
-        self.addr, self.port = addr, int(port)
+    def __init__(self, addr, port, timeout=10):
+        self.addr, self.port, self.timeout = addr, int(port), timeout
         self._lock = threading.Lock()
         self._store = self._connect()
         self.writes = []                 # (key, what) of every write made
 
     def _connect(self):
         return dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=10), use_libuv=True)
+                             timeout=timedelta(seconds=self.timeout), use_libuv=True)
 
     def _call(self, name, *args):
         with self._lock:

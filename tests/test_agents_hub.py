@@ -25,10 +25,10 @@ def _wait(predicate, timeout=30):
     return False
 
 
-def _hub():
+def _hub(timeout_s=2.0):
     port = free_port()
     master = protocol.connect("127.0.0.1", port, 30, is_master=True)
-    hub = AgentHub(timeout_s=2.0)
+    hub = AgentHub(timeout_s=timeout_s)
     hub.attach("127.0.0.1", port, SECRET, sink=None)
     return master, hub
 
@@ -82,5 +82,29 @@ def test_hello_proves_the_secret_and_a_wrong_one_does_not_match():
         # One overwrite by an outsider does not last: the hub publishes again.
         master.set(protocol.HELLO_KEY, "garbage")
         assert _wait(lambda: bytes(master.get(protocol.HELLO_KEY)) != b"garbage")
+    finally:
+        hub.close(wait_s=0)
+
+
+def test_requests_and_answers_come_back_until_read_and_reports_are_acknowledged():
+    """The spawn request an outsider overwrites is put back until the agent's beat says
+    it read it (then it goes); a report read is acknowledged, so the agent may drop it."""
+    master, hub = _hub(timeout_s=60)
+    try:
+        ours = ControlStore(master, SECRET)
+        name = protocol.agent_name(SECRET, "tok1")
+        ours.put(AgentKeys.info(name), {"host": "a", "slots": 1, "pid": 1})
+        assert _wait(lambda: hub.discover() == {"a": 1})
+        ours.put(AgentKeys.beat(name), {"seq": 1, "received": 0})
+        handle = hub.start("0", "a", {"JOB": "1"})
+        key = AgentKeys.request(name, 1)
+        assert _wait(lambda: (ours.get(key) or {}).get("op") == "spawn")
+        ours.raw.set(key, b"garbage")
+        assert _wait(lambda: (ours.get(key) or {}).get("op") == "spawn")     # healed
+        ours.put(AgentKeys.beat(name), {"seq": 2, "received": 1})
+        assert _wait(lambda: not ours.present(key))                           # read: gone
+        ours.put(AgentKeys.report(name, 1), {"out": [["0", "stdout", "hi"]], "exits": [["0", 0]]})
+        assert _wait(lambda: handle.poll() == 0)
+        assert _wait(lambda: ours.get(AgentKeys.read(name)) == {"reports": 1})
     finally:
         hub.close(wait_s=0)

@@ -35,6 +35,7 @@ TICK_S = 0.1
 BEAT_S = 0.5
 HELLO_WAIT_S = 3.0          # a wrong secret is told after this long at most
 ACCEPT_WAIT_S = 30.0
+FLUSH_WAIT_S = 5.0          # a drained agent waits this long for the driver to read its last reports
 DRIVER_LOST_FAILURES = 6    # consecutive failed heartbeats (about 3 s) before giving up
 MAX_REPORT_LINES = 2000
 MAX_LINE_CHARS = 8192
@@ -118,6 +119,7 @@ class Agent:
         self.beat_seq = 0
         self.received = 0
         self.sent = 0
+        self.acked = 0             # reports the driver has read (their keys are gone)
         self.draining = False
         self.drain_deadline = None
         self._signals = []
@@ -194,6 +196,7 @@ class Agent:
             try:
                 if now - last_beat >= BEAT_S:
                     self._beat()
+                    self.control.heal()     # reports an outsider overwrote come back
                     last_beat = now
                 finished = self._verified(AgentKeys.FINISHED)
                 if finished is not None:
@@ -207,7 +210,7 @@ class Agent:
                 left = len(self.workers)
                 self._stop_all(signal.SIGKILL)
                 self._reap()
-                self._report()
+                self._flush_reports()
                 log.info("drained: %s", "every worker left" if not left else
                          f"{left} worker(s) killed after --stop-timeout")
                 return 0
@@ -250,10 +253,28 @@ class Agent:
         raise AgentFailed(f"lost contact with the driver at {self.cfg.driver_host}:"
                           f"{self.cfg.driver_port}; workers stopped")
 
-    def _beat(self):
+    def _beat(self, gone=False):
         self.beat_seq += 1
         self.control.put(AgentKeys.beat(self.index), {"seq": self.beat_seq,
-                                                      "draining": self.draining})
+                                                      "draining": self.draining,
+                                                      "received": self.received,
+                                                      "gone": gone})
+
+    def _flush_reports(self):
+        """Before a drained agent exits: its last reports (its workers' exits) reach the
+        driver even if an outsider overwrote them, then the driver is told it is gone
+        (so its host is not reported lost)."""
+        deadline = time.monotonic() + FLUSH_WAIT_S
+        try:
+            self._report()
+            while self.acked < self.sent and time.monotonic() < deadline:
+                time.sleep(TICK_S)
+                self._beat()
+                self.control.heal()
+                self._report()
+            self._beat(gone=True)
+        except (RuntimeError, ControlError, OSError):
+            pass               # the driver is gone: nobody to tell
 
     def _take_requests(self):
         while True:
@@ -261,8 +282,7 @@ class Agent:
             message = self._verified(key)
             if message is None:
                 return
-            self.received += 1
-            self.control.raw.delete_key(key)
+            self.received += 1      # the driver deletes it once a beat says so
             if message.get("op") == "spawn" and self.draining:
                 self.outbox.exited(str(message.get("worker_id")), 0)   # never started: removed
             elif message.get("op") == "spawn":
@@ -298,10 +318,18 @@ class Agent:
         while True:
             out, exits = self.outbox.take()
             if not out and not exits:
-                return
+                break
             self.sent += 1
             self.control.put(AgentKeys.report(self.index, self.sent),
-                             {"out": out, "exits": exits})
+                             {"out": out, "exits": exits}, keep=True)
+        if self.acked < self.sent:
+            read = self._verified(AgentKeys.read(self.index)) or {}
+            upto = read.get("reports")
+            while isinstance(upto, int) and self.acked < min(upto, self.sent):
+                self.acked += 1
+                key = AgentKeys.report(self.index, self.acked)
+                self.control.forget(key)
+                self.control.raw.delete_key(key)
 
     def _stop_all(self, sig):
         for worker in self.workers.values():

@@ -51,6 +51,7 @@ class _Agent:
     draining: bool = False
     lost: bool = False
     sent: int = 0          # requests written
+    acked: int = 0         # requests the agent has read (their keys are gone)
     received: int = 0      # reports read
     workers: dict = field(default_factory=dict)
 
@@ -125,11 +126,12 @@ class AgentHub(Discovery):
             return
         try:
             with self._lock:
-                self.control.put(AgentKeys.FINISHED, {"code": int(code)})
+                self.control.put(AgentKeys.FINISHED, {"code": int(code)}, keep=True)
                 live = [a.index for a in self._agents.values() if not a.lost]
             deadline = time.monotonic() + wait_s
             while live and time.monotonic() < deadline:
                 live = [i for i in live if not self.control.has(AgentKeys.bye(i))]
+                self.control.heal()
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - agents also notice the driver is gone
             pass
@@ -162,7 +164,8 @@ class AgentHub(Discovery):
         with self._lock:
             agent.sent += 1
             try:
-                self.control.put(AgentKeys.request(agent.index, agent.sent), message)
+                self.control.put(AgentKeys.request(agent.index, agent.sent), message,
+                                 keep=True)    # healed until the agent says it read it
             except Exception as exc:  # noqa: BLE001 - our own store: only a shutdown fails
                 log.debug("cannot send a request to agent %s: %s", agent.host, exc)
 
@@ -230,40 +233,64 @@ class AgentHub(Discovery):
             if not agent.seq:
                 self.control.forget(AgentKeys.accepted(agent.index))   # it read the answer
             agent.seq, agent.seen = beat["seq"], now
+            self._drop_requests(agent, beat.get("received"))
             if beat.get("draining") and not agent.draining:
                 agent.draining = True
                 log.info("agent on %s is draining (SIGTERM): its host leaves the job",
                          agent.host)
         self._read_reports(agent)
-        if now - agent.seen > self.timeout_s:
-            agent.lost = True
+        gone = beat is not None and beat.get("gone") and agent.draining
+        if gone:
+            log.info("agent on %s drained and left", agent.host)
+        elif now - agent.seen > self.timeout_s:
             log.warning("agent on %s sent no heartbeat for %.0f s; its host is lost",
                         agent.host, self.timeout_s)
-            for handle in agent.workers.values():
-                if handle.code is None:
-                    handle.code, handle.lost_after = AGENT_LOST, self.timeout_s
+        else:
+            return
+        agent.lost = True
+        self._drop_requests(agent, agent.sent)
+        for handle in agent.workers.values():
+            if handle.code is None:
+                handle.code, handle.lost_after = AGENT_LOST, self.timeout_s
+
+    def _drop_requests(self, agent, received):
+        """Requests the agent has read need no healing any more: forget and delete them."""
+        if not isinstance(received, int):
+            return
+        while agent.acked < min(received, agent.sent):
+            agent.acked += 1
+            key = AgentKeys.request(agent.index, agent.acked)
+            self.control.forget(key)
+            self.control.raw.delete_key(key)
 
     def _read_reports(self, agent):
+        before = agent.received
         while True:
             key = AgentKeys.report(agent.index, agent.received + 1)
             report = self._verified(key)
             if report is None:
-                return
+                break
             agent.received += 1
-            self.control.raw.delete_key(key)
-            by_stream = {}
-            for item in report.get("out", ()):
-                if isinstance(item, list) and len(item) == 3 and item[0] in agent.workers:
-                    wid, stream, line = item
-                    by_stream.setdefault((wid, "stderr" if stream == "stderr" else "stdout"),
-                                         []).append(str(line))
-            if self.sink is not None:
-                for (wid, stream), lines in by_stream.items():
-                    self.sink.write_lines(wid, stream, lines)
-            for item in report.get("exits", ()):
-                if isinstance(item, list) and len(item) == 2 and item[0] in agent.workers \
-                        and isinstance(item[1], int):
-                    agent.workers.pop(item[0]).code = item[1]
+            self._take_report(agent, report)
+        if agent.received != before:      # the agent heals its reports until it reads this
+            self.control.put(AgentKeys.read(agent.index), {"reports": agent.received},
+                             keep=True)
+
+    def _take_report(self, agent, report):
+        """Output to the console, exits to the handles (only of workers it runs)."""
+        by_stream = {}
+        for item in report.get("out", ()):
+            if isinstance(item, list) and len(item) == 3 and item[0] in agent.workers:
+                wid, stream, line = item
+                by_stream.setdefault((wid, "stderr" if stream == "stderr" else "stdout"),
+                                     []).append(str(line))
+        if self.sink is not None:
+            for (wid, stream), lines in by_stream.items():
+                self.sink.write_lines(wid, stream, lines)
+        for item in report.get("exits", ()):
+            if isinstance(item, list) and len(item) == 2 and item[0] in agent.workers \
+                    and isinstance(item[1], int):
+                agent.workers.pop(item[0]).code = item[1]
 
     def _verified(self, key):
         """A signed value, or None when absent or forged (an outsider's write is ignored)."""
