@@ -65,6 +65,8 @@ def test_agents_join_grow_the_job_and_a_sigtermed_agent_drains(join_job):
     assert re.search(r"worker \d+ on node-b left at commit \d+ \(preempted\)", out), out[-5000:]
     assert "restoring the last commit" not in out, out[-5000:]
     assert "blacklisting host node-b" not in out, out[-5000:]
+    assert "agent on node-b drained and left" in out, out[-5000:]      # gone, not lost
+    assert "agent on node-b sent no heartbeat" not in out, out[-5000:]
     # Output reaches the driver's console with the usual prefix and stays on the agent too.
     assert len(WORKER_LINE.findall(out)) == 2, out[-3000:]
     for name in ("node-a", "node-c"):
