@@ -17,6 +17,7 @@ network unpickles.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import json
@@ -58,6 +59,7 @@ ENV_CHECKPOINT_TEST_DELAY = "ELASTIC_CHECKPOINT_TEST_DELAY"
 MEMBERSHIP_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
 MEMBERSHIP_PREFIXES = ("ELASTIC", "HOROVOD")   # HOROVOD_* for scripts ported from Horovod
 ENV_RANK = "ELASTIC_RANK"
+ENV_SIZE = "ELASTIC_SIZE"
 ENV_HOSTNAME = "ELASTIC_HOSTNAME"
 
 
@@ -87,7 +89,52 @@ def env_float(name: str, default: float, environ: Mapping[str, str] | None = Non
     """A float setting from the environment."""
     return float((os.environ if environ is None else environ).get(name, default))
 
-_REPLAY_MEMORY = 4096     # keys whose highest accepted sequence number is remembered
+# -- how often waiting workers look at the store ------------------------------------------
+# Waiting members of a round of ``size`` look at one small key each pause; the pause grows
+# with the size so that the store sees at most about STORE_LOOKS_PER_S looks per second
+# from all of them together (a 4-worker round still looks every few ms).
+STORE_LOOKS_PER_S = 20000.0
+
+
+def poll_pause(size: int, waited: float, first: float = 0.005, longest: float = 0.1) -> float:
+    """Seconds to sleep before the next look, after ``waited`` seconds of waiting."""
+    return max(size / STORE_LOOKS_PER_S, min(longest, max(first, waited / 4)))
+
+
+def encode_ids(ids) -> list:
+    """Worker ids as a short list: decimal ids as sorted [first, count] runs of
+    consecutive ids (a job's members are mostly consecutive), any other id as
+    itself."""
+    runs, names = [], []
+    for wid in ids:
+        (runs if str(wid).isdecimal() else names).append(str(wid))
+    out = []
+    for n in sorted({int(i) for i in runs}):
+        if out and out[-1][0] + out[-1][1] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return out + sorted(set(names))
+
+
+def ids_contain(encoded, worker_id) -> bool:
+    """Whether the list of encode_ids holds ``worker_id``."""
+    wid = str(worker_id)
+    if not wid.isdecimal():
+        return wid in encoded
+    n = int(wid)
+    runs = [r for r in encoded if isinstance(r, list)]
+    i = bisect.bisect_right([r[0] for r in runs], n) - 1
+    return i >= 0 and n < runs[i][0] + runs[i][1]
+
+
+def decode_ids(encoded) -> list:
+    return [str(r[0] + k) if isinstance(r, list) else r
+            for r in encoded for k in (range(r[1]) if isinstance(r, list) else (0,))]
+
+
+_CHUNK = 512            # keys per check / multi_get in get_present
+_REPLAY_MEMORY = 1 << 16  # keys whose highest accepted sequence number is remembered
 
 
 class ControlError(ElasticError):
@@ -156,12 +203,27 @@ class ControlStore:
         self.rejected = WarnOnce(warn)
         self._highest = {}
         self._kept = {}
+        self.requests = 0       # store round trips and bytes read, for make scale
+        self.bytes_read = 0
 
     def put(self, key, value, keep=False):
         blob = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())
         if keep:
             self._kept[key] = blob
+        self.requests += 1
         self.raw.set(key, blob)
+
+    def put_many(self, values, keep=False):
+        """Put {key: value} in one round trip."""
+        keys = list(values)
+        if not keys:
+            return
+        blobs = [self.sealer.seal(k, json.dumps(values[k], sort_keys=True).encode())
+                 for k in keys]
+        if keep:
+            self._kept.update(zip(keys, blobs))
+        self.requests += 1
+        self.raw.multi_set(keys, blobs)
 
     def forget(self, key):
         """Stop healing ``key`` (its value stays)."""
@@ -169,16 +231,55 @@ class ControlStore:
 
     def get(self, key):
         """The verified value of ``key``; None when absent, forged or replayed."""
+        self.requests += 1
         if not self.raw.check([key]):
             return None
-        return self._verify(key, bytes(self.raw.get(key)))
+        self.requests += 1
+        blob = bytes(self.raw.get(key))
+        self.bytes_read += len(blob)
+        return self._verify(key, blob)
 
     def get_many(self, keys):
         """{key: verified value or None}, in one round trip when all exist."""
         keys = list(keys)
-        if keys and self.raw.check(keys):
-            return {k: self._verify(k, bytes(b)) for k, b in zip(keys, self.raw.multi_get(keys))}
-        return {k: self.get(k) for k in keys}
+        found = self.get_present(keys)
+        return {k: found.get(k) for k in keys}
+
+    def get_present(self, keys):
+        """{key: verified value} for those of ``keys`` that hold one."""
+        found = {}
+        for key, blob in self.raw_present(keys).items():
+            value = self._verify(key, blob)
+            if value is not None:
+                found[key] = value
+        return found
+
+    def raw_present(self, keys):
+        """{key: stored bytes} for those of ``keys`` that exist, unverified.
+
+        Asks about whole chunks at once and splits only a chunk where some key
+        is missing, so reading n keys of which m are missing takes about
+        n / CHUNK + m·log(CHUNK) round trips, not n."""
+        keys = list(keys)
+        blobs = {}
+        for i in range(0, len(keys), _CHUNK):
+            self._read_chunk(keys[i:i + _CHUNK], blobs)
+        return blobs
+
+    def _read_chunk(self, keys, blobs):
+        if not keys:
+            return
+        self.requests += 1
+        if self.raw.check(keys):
+            self.requests += 1
+            got = self.raw.multi_get(keys) if len(keys) > 1 else [self.raw.get(keys[0])]
+            for k, b in zip(keys, got):
+                blobs[k] = bytes(b)
+                self.bytes_read += len(blobs[k])
+        elif len(keys) > 1:
+            half = len(keys) // 2
+            self._read_chunk(keys[:half], blobs)
+            self._read_chunk(keys[half:], blobs)
 
     def has(self, key):
         return self.get(key) is not None
@@ -189,6 +290,7 @@ class ControlStore:
 
     def present(self, key):
         """Whether anything at all is stored under ``key`` (verified or not)."""
+        self.requests += 1
         return self.raw.check([key])
 
     def heal(self):
@@ -196,14 +298,11 @@ class ControlStore:
         kept = list(self._kept.items())
         if not kept:
             return 0
-        keys = [k for k, _ in kept]
-        if self.raw.check(keys):
-            now = [bytes(b) for b in self.raw.multi_get(keys)]
-        else:
-            now = [bytes(self.raw.get(k)) if self.raw.check([k]) else None for k in keys]
+        now = self.raw_present(k for k, _ in kept)
         healed = 0
-        for (key, blob), current in zip(kept, now):
-            if current != blob:
+        for key, blob in kept:
+            if now.get(key) != blob:
+                self.requests += 1
                 self.raw.set(key, blob)
                 healed += 1
         return healed
@@ -236,7 +335,20 @@ class Keys:
 
     @staticmethod
     def plan(round_id: int | str) -> str:
+        """The round's header: {"round", "size", "ids"}; ``ids`` holds the member ids as
+        runs (encode_ids), so a worker learns whether it is a member in O(runs) bytes."""
         return f"round/{round_id}/plan"
+
+    @staticmethod
+    def member(round_id: int | str, worker_id: int | str) -> str:
+        """One member's dict (rank, local and cross ranks, host): read by that member only."""
+        return f"round/{round_id}/member/{worker_id}"
+
+    @staticmethod
+    def assembled(round_id: int | str) -> str:
+        """The driver's word on the round's assembly: {"ok": true} once every member
+        arrived, {"ok": false} if it was aborted first. Members wait on this one key."""
+        return f"round/{round_id}/assembled"
 
     @staticmethod
     def abort(round_id: int | str) -> str:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,8 +33,29 @@ def publish_round(cs, round_id, worker_ids):
     members = [{"worker_id": wid, "host": "localhost", "rank": r, "local_rank": r,
                 "local_size": n, "cross_rank": 0, "cross_size": 1}
                for r, wid in enumerate(worker_ids)]
-    cs.put(Keys.plan(round_id), {"round": round_id, "members": members})
+    cs.put_many({Keys.member(round_id, m["worker_id"]): m for m in members})
+    cs.put(Keys.plan(round_id), {"round": round_id, "size": n,
+                                 "ids": control.encode_ids(worker_ids)})
     cs.put(Keys.LATEST_ROUND, {"round": round_id})
+    threading.Thread(target=_say_assembled, args=(cs, round_id, list(worker_ids)),
+                     daemon=True, name="harness-assembly").start()
+
+
+def _say_assembled(cs, round_id, worker_ids):
+    """The driver's other part of a round: once every member arrived, say so
+    (unless a newer round replaced it first)."""
+    keys = [Keys.joined(round_id, wid) for wid in worker_ids]
+    try:
+        while True:
+            if len(cs.get_present(keys)) == len(keys):
+                cs.put(Keys.assembled(round_id), {"round": round_id, "ok": True})
+                return
+            latest = cs.get(Keys.LATEST_ROUND)
+            if latest is not None and latest["round"] > round_id:
+                return
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - the test's store went away
+        return
 
 
 def run_workers(script_path, n, timeout=120, extra_env=None, args=()):

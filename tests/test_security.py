@@ -69,8 +69,10 @@ def test_the_store_port_alone_does_not_reveal_the_plan(tmp_path):
         right = ControlStore(store, job_secret(env))
         assert right.get(Keys.LATEST_ROUND) == {"round": 1}
         plan = right.get(Keys.plan(1))
-        assert sorted(m["worker_id"] for m in plan["members"]) == sorted(
-            e[control.ENV_WORKER_ID] for e in workers.values())
+        ids = sorted(e[control.ENV_WORKER_ID] for e in workers.values())
+        assert control.decode_ids(plan["ids"]) == ids and plan["size"] == len(ids)
+        for wid in ids:
+            assert right.get(Keys.member(1, wid))["worker_id"] == wid
         # The secret is never on a command line (driver or workers).
         secret = job_secret(env).decode()
         for pid in [job.proc.pid, *workers]:

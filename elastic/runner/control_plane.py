@@ -9,6 +9,7 @@ from elastic.runner import binding
 
 log = logging.getLogger("elasticrun")
 HEAL_EVERY_S = 0.5        # put back the driver's own keys if someone overwrote them
+ASSEMBLED_KEPT = 3        # the assembly outcome of this many recent rounds is kept in place
 
 
 class DriverControl:
@@ -24,6 +25,7 @@ class DriverControl:
         self._healed_at = 0.0
         self._unreachable_warned = set()
         self._announced = False
+        self._assembling = {}     # round id -> (member ids not arrived yet, all member ids)
 
     def describe(self):
         return f"control store listening on {self.binding.address}:{self.port} " \
@@ -54,10 +56,53 @@ class DriverControl:
         values = self.store.get_many(Keys.heartbeat(w) for w in worker_ids)
         return {w: values[Keys.heartbeat(w)] for w in worker_ids}
 
-    def joined(self, round_id, member_ids):
-        """How many members have put their sealed arrival in round ``round_id``."""
-        keys = [Keys.joined(round_id, w) for w in member_ids]
-        return sum(v is not None for v in self.store.get_many(keys).values())
+    # -- rounds -------------------------------------------------------------------------
+    def publish(self, round_id, members):
+        """Each member's entry first, then the header, then the latest round: a worker
+        that sees the header finds its own entry there. All kept until the round
+        assembles (a member has read its entry once it arrived)."""
+        self.store.put_many({Keys.member(round_id, m["worker_id"]): m for m in members},
+                            keep=True)
+        ids = [m["worker_id"] for m in members]
+        self.store.put(Keys.plan(round_id), {"round": round_id, "size": len(members),
+                                             "ids": control.encode_ids(ids)}, keep=True)
+        self.store.put(Keys.LATEST_ROUND, {"round": round_id}, keep=True)
+        for old in list(self._assembling):
+            self._settle(old, False)       # replaced (the driver aborted it already)
+        self._assembling[round_id] = (set(ids), ids)
+        self.store.forget(Keys.plan(round_id - 1))
+        self.store.forget(Keys.assembled(round_id - ASSEMBLED_KEPT))
+
+    def assembly(self, round_id):
+        """How many members of ``round_id`` have arrived; reads only the arrivals still
+        awaited, and says ``assembled`` on the round's key once all are in."""
+        entry = self._assembling.get(round_id)
+        if entry is None:
+            return None                     # assembled (or replaced) already
+        pending, ids = entry
+        keys = {Keys.joined(round_id, w): w for w in pending}
+        for key in self.store.get_present(keys):
+            pending.discard(keys[key])
+        if pending:
+            return len(ids) - len(pending)
+        self._settle(round_id, True)
+        return len(ids)
+
+    def abort(self, round_id):
+        self.store.put(Keys.abort(round_id), {"round": round_id}, keep=True)
+        if round_id in self._assembling:
+            self._settle(round_id, False)   # members waiting to assemble give up at once
+
+    def _settle(self, round_id, ok):
+        _, ids = self._assembling.pop(round_id)
+        self.store.put(Keys.assembled(round_id), {"round": round_id, "ok": ok}, keep=True)
+        for wid in ids:
+            self.store.forget(Keys.member(round_id, wid))
+
+    def ready(self, worker_ids):
+        """Those of ``worker_ids`` whose sealed registration is in the store."""
+        keys = {Keys.ready(w): w for w in worker_ids}
+        return {keys[k] for k in self.store.get_present(keys)}
 
     def failure_reported(self, round_id, member_ids):
         """The doorbell names a reporter; if it was tampered with, ask every member."""

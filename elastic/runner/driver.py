@@ -145,6 +145,7 @@ class Driver:
         self._local_names = launcher.local_names()
         self.events = EventLog(config.event_log)
         self.stop_signal = None    # the first SIGTERM/SIGINT to elasticrun
+        self._published_at = 0.0
 
     def request_stop(self, signum):
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -236,11 +237,12 @@ class Driver:
                               done_round=done["round"] if done else None,
                               note=w.proc.describe_exit(code) if code else "",
                               leaving=self._signed(Keys.leaving(wid))))
-        for w in self.workers.values():
-            if not w.ready and self.control.has(Keys.ready(w.worker_id)):
-                w.ready = True
-                log.debug("worker %s on %s is ready", w.worker_id, w.host)
-                self.events.emit("worker_ready", worker=w.worker_id, host=w.host)
+        unready = [w.worker_id for w in self.workers.values() if not w.ready]
+        for wid in (self.plane.ready(unready) if unready else ()):
+            w = self.workers[wid]
+            w.ready = True
+            log.debug("worker %s on %s is ready", w.worker_id, w.host)
+            self.events.emit("worker_ready", worker=w.worker_id, host=w.host)
         checked = now - self._last_heartbeat_check >= HEARTBEAT_CHECK_S
         if checked:
             self._last_heartbeat_check = now
@@ -257,12 +259,23 @@ class Driver:
         if job.round_id and job.round_id not in job.aborted and job.final_round is None:
             reports = int(self.plane.failure_reported(job.round_id,
                                                       job.rounds.get(job.round_id, ())))
-        joined = self.plane.joined(job.round_id, job.rounds.get(job.round_id, ())) \
-            if job.round_id else 0
+        joined = self._assembly(job, now) if job.round_id else 0
         return Facts(job=job, limits=self.limits, hosts=self.hosts,
                      workers={wid: w.view() for wid, w in self.workers.items()},
                      exits=tuple(exits), liveness_checked=checked, failure_reports=reports,
                      joined=joined, stop_signal=self.stop_signal)
+
+    def _assembly(self, job, now):
+        """Members of the current round that arrived (all of them once it assembled)."""
+        count = self.plane.assembly(job.round_id)
+        if count is None:
+            return len(job.members)
+        if count == len(job.members):
+            seconds = now - self._published_at
+            log.debug("round %d assembled in %.3f s", job.round_id, seconds)
+            self.events.emit("round_assembled", round=job.round_id, size=count,
+                             seconds=round(seconds, 4))
+        return count
 
     def _signed(self, key):
         try:
@@ -292,7 +305,7 @@ class Driver:
             self.events.emit("host_blacklisted", host=action.host)
             self.hosts.blacklist(action.host, now)
         elif isinstance(action, Abort):
-            self.control.put(Keys.abort(action.round_id), {"round": action.round_id}, keep=True)
+            self.plane.abort(action.round_id)
         elif isinstance(action, Reform):
             if action.reason:
                 log.warning("%s", action.reason)
@@ -398,9 +411,8 @@ class Driver:
     def _publish(self, action, now):
         r = action.round_id
         members = list(action.members)
-        self.control.put(Keys.plan(r), {"round": r, "members": members}, keep=True)
-        self.control.put(Keys.LATEST_ROUND, {"round": r}, keep=True)
-        self.control.forget(Keys.plan(r - 1))           # kept values: put back if overwritten
+        self.plane.publish(r, members)                  # kept values: put back if overwritten
+        self._published_at = now
         self.control.forget(Keys.abort(r - ABORTS_KEPT))
         self.reporter.round_started(r, members, action.change, now)
 

@@ -53,9 +53,6 @@ class Membership:
         os.environ.update(self.env())
 
 
-ASSEMBLY_POLL_S = (0.005, 0.1)   # first and longest pause between looks at the join count
-
-
 class Worker:
     """One process of an elasticrun job."""
 
@@ -82,6 +79,7 @@ class Worker:
         self.placement = None
         self.retired_groups = RetiredGroups()
         self._latest = 0
+        self._size_hint = int(os.environ.get(control.ENV_SIZE) or 1)   # sets how often we look
         self._healed_at = 0.0
         self._standing = set()      # our sealed reports kept in place until the next round
         self._rendezvous = None     # the forming round's SignedStore, healed until it checks
@@ -216,9 +214,12 @@ class Worker:
         deadline = time.monotonic() + self.round_timeout
         tried = self.round_id
         self.progress.begin_wait("next round", tried, on_peers=False)
+        stop_looked = 0.0
         try:
             while True:
-                self._check_stop()
+                if self.leave_requested or time.monotonic() - stop_looked >= HEAL_EVERY_S:
+                    stop_looked = time.monotonic()   # the stop key is looked at less often
+                    self._check_stop()
                 self.retired_groups.release_drained()
                 latest = self.latest_round()
                 if latest > tried:
@@ -234,56 +235,60 @@ class Worker:
                 if time.monotonic() > deadline:
                     raise ElasticError(f"no new round within {self.round_timeout:.0f} s")
                 self._heal_kept()          # our registration and failure report stay readable
-                time.sleep(0.02)
+                time.sleep(control.poll_pause(self._size_hint, 0, first=0.02))
         finally:
             self.progress.end_wait()
 
     def _try_round(self, round_id, deadline):
         """True: joined. False: not for us (not a member, or aborted). None: the plan
-        is not readable (yet): try again."""
+        is not readable (yet): try again.
+
+        The header names the members as id runs and each member reads only its own
+        entry, so what a worker reads per round does not grow with the job."""
         plan = self.control.get(Keys.plan(round_id))
         if plan is None:
             return None
-        me = next((m for m in plan["members"] if m["worker_id"] == self.worker_id), None)
-        if me is None:
+        self._size_hint = int(plan["size"])
+        if not control.ids_contain(plan["ids"], self.worker_id):
             if self.ever_member:
                 self._leave(f"not a member of round {round_id}; leaving the job")
             return False
+        me = self.control.get(Keys.member(round_id, self.worker_id))
+        if me is None:
+            return None       # an outsider removed it: the driver puts it back
         try:
-            return self._enter(round_id, plan, me, deadline)
-        finally:   # every member has read our arrival, or the round is over
+            return self._enter(round_id, plan["size"], me, deadline)
+        finally:   # the driver has read our arrival, or the round is over
             self.control.forget(Keys.joined(round_id, self.worker_id))
 
-    def _assemble(self, round_id, member_ids, deadline):
-        """Wait until every member has put its sealed arrival; False if aborted."""
+    def _assemble(self, round_id, size, deadline):
+        """Put our sealed arrival and wait for the driver's word that every member
+        arrived; False if the round was aborted or replaced first."""
         self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
-        keys = [Keys.joined(round_id, wid) for wid in member_ids]
         began = time.monotonic()
         self.progress.begin_wait(f"round {round_id} assembly", round_id)
-
-        def everyone():
-            return self.control.raw.check(keys) and all(
-                v is not None for v in self.control.get_many(keys).values())
-
+        looked = began
         while True:
-            if everyone():
-                return True
-            if self.control.has(Keys.abort(round_id)):
-                return False
-            if self.latest_round() > round_id:
-                # Superseded before it assembled: a member that saw the newer plan first
-                # went straight to it and will never join this one (the driver aborts
-                # such a round). Read again: one that did assemble goes on.
-                return everyone()
-            self._check_stop()
-            if time.monotonic() > deadline:
+            outcome = self.control.get(Keys.assembled(round_id))
+            if outcome is not None:
+                return bool(outcome["ok"])
+            now = time.monotonic()
+            if now - looked >= HEAL_EVERY_S:
+                # Rarer looks: the driver also says "not ok" on this key when it
+                # aborts or replaces the round, so these are only a backstop.
+                looked = now
+                if self.control.has(Keys.abort(round_id)):
+                    return False
+                if self.latest_round() > round_id:
+                    outcome = self.control.get(Keys.assembled(round_id))
+                    return bool(outcome and outcome["ok"])
+                self._check_stop()
+            elif self.leave_requested:
+                self._check_stop()
+            if now > deadline:
                 raise ElasticError(f"round {round_id} did not assemble in time")
             self._heal_kept()
-            # Back off: at thousands of workers a fixed 5 ms poll is 200 requests per
-            # second per worker, on one store, while the round assembles. Pauses grow
-            # with the time waited (a quarter of it), so a quick round still sees 5 ms.
-            waited = time.monotonic() - began
-            time.sleep(min(ASSEMBLY_POLL_S[1], max(ASSEMBLY_POLL_S[0], waited / 4)))
+            time.sleep(control.poll_pause(size, now - began))
 
     def _heal_kept(self):
         """Put back our kept values (registration, arrival, failure report) where
@@ -293,9 +298,8 @@ class Worker:
             self._healed_at = now
             self.control.heal()
 
-    def _enter(self, round_id, plan, me, deadline):
-        size = len(plan["members"])
-        if not self._assemble(round_id, [m["worker_id"] for m in plan["members"]], deadline):
+    def _enter(self, round_id, size, me, deadline):
+        if not self._assemble(round_id, size, deadline):
             return False
         self.round_id = round_id
         self.membership = Membership(
