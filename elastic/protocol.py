@@ -141,13 +141,14 @@ class ControlError(ElasticError):
     """The job secret is missing, or the control store cannot be reached."""
 
 
-def read_secret_from_env() -> bytes:
+def read_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
     """Prefer a 0600 file so the secret never shows in the environment of ps."""
-    path = os.environ.get(ENV_SECRET_FILE)
+    env = os.environ if environ is None else environ
+    path = env.get(ENV_SECRET_FILE)
     if path:
         with open(path, "rb") as f:
             return f.read().strip()
-    secret = os.environ.get(ENV_SECRET)
+    secret = env.get(ENV_SECRET)
     if not secret:
         raise ControlError("no job secret: set by elasticrun for its workers")
     return secret.encode()
@@ -228,6 +229,12 @@ class ControlStore:
     def forget(self, key):
         """Stop healing ``key`` (its value stays)."""
         self._kept.pop(key, None)
+
+    def delete(self, key):
+        """Remove ``key`` from the store (and stop healing it)."""
+        self._kept.pop(key, None)
+        self.requests += 1
+        self.raw.delete_key(key)
 
     def get(self, key):
         """The verified value of ``key``; None when absent, forged or replayed."""

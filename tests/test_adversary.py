@@ -15,6 +15,8 @@ import signal
 import threading
 
 import pytest
+
+from elastic import protocol as control
 from adversary import FAKE_MAC, FirstSightVandal, Outsider
 from jobs import Job, sizes_in_order
 from listening import listening_sockets
@@ -78,7 +80,7 @@ def test_an_outsider_cannot_end_stall_steer_or_join_the_job(tmp_path):
         job.wait_step(3)
         latest1 = wait_valid(o, ns + "round/latest", job, "round/latest healed")
         plan1 = wait_valid(o, ns + "round/1/plan", job, "round 1's plan healed")
-        members1 = [m["worker_id"] for m in o.payload(ns + "round/1/plan")["members"]]
+        members1 = control.decode_ids(o.payload(ns + "round/1/plan")["ids"])
         ready0 = wait_valid(o, ns + f"worker/{members1[0]}/ready", job, "a ready key healed")
         o.forgeries(ns + "round/1/abort", replay_from=latest1)
         o.set(ns + "round/latest", b"garbage", "garbage")
@@ -95,8 +97,10 @@ def test_an_outsider_cannot_end_stall_steer_or_join_the_job(tmp_path):
         # Round 2 is prepared for: a forged abort, joins, plan, and fake peer addresses.
         o.forgeries(ns + "round/2/abort", replay_from=plan1)
         o.set(ns + "round/2/plan", plan1, "replayed value of another key")
+        o.set(ns + "round/2/assembled", plan1, "replayed value of another key")
         for r in range(4):
             o.bump(ns + f"round/2/joined/{r}", "counter bump")
+            o.set(ns + f"round/2/member/{r}", plan1, "replayed value of another key")
             real = o.get(ns + f"pg/1/gloo//0/{r % 2}") or b"garbage"
             o.set(ns + f"pg/2/gloo//0/{r}", real if r >= 2 else FAKE_MAC + b".1.10.0.0.1:1",
                   "fake peer address")
@@ -162,7 +166,7 @@ def test_an_outsider_cannot_end_stall_steer_or_join_the_job(tmp_path):
     assert len(rounds) <= 4, rounds
     assert victim not in {f["worker"] for f in finals}
     assert {r["worker"] for r in records} <= {"0", "1", "2", "3"}   # nobody else trained
-    assert sorted(m["worker_id"] for m in plan2["members"]) == ["0", "1", "2", "3"]
+    assert control.decode_ids(plan2["ids"]) == ["0", "1", "2", "3"]
     out = job.output()
     assert "Traceback" not in out, out[-4000:]
     # Forgeries were read, and ignored with a warning that names the key.

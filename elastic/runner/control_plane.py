@@ -1,7 +1,10 @@
 """The driver's side of the control store: where it listens, what it reads, and
 keeping its own values in place (elastic/auth.py says why values are sealed)."""
 
+import collections
 import logging
+import queue
+import threading
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys
@@ -9,7 +12,43 @@ from elastic.runner import binding
 
 log = logging.getLogger("elasticrun")
 HEAL_EVERY_S = 0.5        # put back the driver's own keys if someone overwrote them
+ROUND_KEYS_KEPT = 8       # rounds whose keys stay in the store; older ones are deleted
 ASSEMBLED_KEPT = 3        # the assembly outcome of this many recent rounds is kept in place
+
+
+class Janitor(threading.Thread):
+    """Deletes keys nobody reads any more (old rounds, reaped workers) on its own
+    connection, so a long job's store does not grow with every round and the event
+    loop never waits on thousands of deletes."""
+
+    def __init__(self, address, port, secret):
+        super().__init__(daemon=True, name="elastic-janitor")
+        self._address, self._port, self._secret = address, port, secret
+        self._queue = queue.SimpleQueue()
+        self.deleted = 0
+        self.start()
+
+    def drop(self, keys):
+        self._queue.put(list(keys))
+
+    def close(self, timeout=5.0):
+        """Stop after the deletes asked for so far. A thread still inside a store
+        call when the interpreter exits would abort the process (std::terminate)."""
+        self._queue.put(None)
+        self.join(timeout)
+
+    def run(self):
+        try:
+            store = ControlStore(control.connect(self._address, self._port, 30), self._secret)
+            while True:
+                keys = self._queue.get()
+                if keys is None:
+                    return
+                for key in keys:
+                    store.delete(key)
+                    self.deleted += 1
+        except Exception:  # noqa: BLE001 - the store went away with the driver
+            return
 
 
 class DriverControl:
@@ -26,6 +65,12 @@ class DriverControl:
         self._unreachable_warned = set()
         self._announced = False
         self._assembling = {}     # round id -> (member ids not arrived yet, all member ids)
+        self._history = collections.deque()    # (round id, member ids) of recent rounds
+        self._janitor = Janitor(self.binding.local_connect_address(), self.port, secret)
+
+    def close(self):
+        """Stop the janitor; the store itself goes with the process."""
+        self._janitor.close()
 
     def describe(self):
         return f"control store listening on {self.binding.address}:{self.port} " \
@@ -70,6 +115,9 @@ class DriverControl:
         for old in list(self._assembling):
             self._settle(old, False)       # replaced (the driver aborted it already)
         self._assembling[round_id] = (set(ids), ids)
+        self._history.append((round_id, ids))
+        while len(self._history) > ROUND_KEYS_KEPT:
+            self._janitor.drop(self._round_keys(*self._history.popleft()))
         self.store.forget(Keys.plan(round_id - 1))
         self.store.forget(Keys.assembled(round_id - ASSEMBLED_KEPT))
 
@@ -98,6 +146,21 @@ class DriverControl:
         self.store.put(Keys.assembled(round_id), {"round": round_id, "ok": ok}, keep=True)
         for wid in ids:
             self.store.forget(Keys.member(round_id, wid))
+
+    @staticmethod
+    def _round_keys(round_id, ids):
+        keys = [Keys.plan(round_id), Keys.assembled(round_id), Keys.abort(round_id),
+                Keys.failures(round_id), Keys.pause(round_id)]
+        for wid in ids:
+            keys += [Keys.member(round_id, wid), Keys.joined(round_id, wid),
+                     Keys.failed(round_id, wid)]
+        return keys
+
+    def worker_gone(self, worker_id):
+        """A worker's process exited and was reaped: its own keys can go."""
+        self._janitor.drop([Keys.ready(worker_id), Keys.heartbeat(worker_id),
+                            Keys.done(worker_id), Keys.progress(worker_id),
+                            Keys.leaving(worker_id)])
 
     def ready(self, worker_ids):
         """Those of ``worker_ids`` whose sealed registration is in the store."""

@@ -195,6 +195,7 @@ class Driver:
             self._stop_all()
             if self.cfg.backend is not None:
                 self.cfg.backend.close(0 if self.job.final_round is not None else 1)
+            self.plane.close()
 
     # -- discovery ------------------------------------------------------------------
     def _first_discovery(self):
@@ -237,6 +238,7 @@ class Driver:
                               done_round=done["round"] if done else None,
                               note=w.proc.describe_exit(code) if code else "",
                               leaving=self._signed(Keys.leaving(wid))))
+            self.plane.worker_gone(wid)
         unready = [w.worker_id for w in self.workers.values() if not w.ready]
         for wid in (self.plane.ready(unready) if unready else ()):
             w = self.workers[wid]

@@ -100,6 +100,11 @@ class Heartbeat(threading.Thread):
     def wake(self):
         self._wake.set()
 
+    def store_stats(self):
+        """(requests, bytes read) on the heartbeat's own connection (its latest one)."""
+        conn = self._conn
+        return (conn.requests, conn.bytes_read) if conn is not None else (0, 0)
+
     def stop(self):
         self._stop.set()
         self._wake.set()

@@ -56,19 +56,22 @@ class Membership:
 class Worker:
     """One process of an elasticrun job."""
 
-    def __init__(self):
-        driver_pid = os.environ.get(control.ENV_DRIVER_PID)
+    def __init__(self, environ=None):
+        """``environ``: the job's variables (os.environ); ``make scale`` runs many
+        workers in one process, each with its own."""
+        env = os.environ if environ is None else environ
+        driver_pid = env.get(control.ENV_DRIVER_PID)
         if driver_pid and os.getppid() != int(driver_pid):
             # The driver died before the kernel could tie us to it (PDEATHSIG).
             log.error("elasticrun is gone; exiting")
             os._exit(1)
-        self.worker_id = os.environ[control.ENV_WORKER_ID]
-        self._addr = os.environ[control.ENV_ADDR]
-        self._port = int(os.environ[control.ENV_PORT])
-        self._secret = control.read_secret_from_env()
-        self.store_timeout = env_float(control.ENV_STORE_TIMEOUT, 60)
-        self.round_timeout = env_float(control.ENV_ROUND_TIMEOUT, 900)
-        self.collective_timeout = env_float(control.ENV_COLLECTIVE_TIMEOUT, 600)
+        self.worker_id = env[control.ENV_WORKER_ID]
+        self._addr = env[control.ENV_ADDR]
+        self._port = int(env[control.ENV_PORT])
+        self._secret = control.read_secret_from_env(env)
+        self.store_timeout = env_float(control.ENV_STORE_TIMEOUT, 60, env)
+        self.round_timeout = env_float(control.ENV_ROUND_TIMEOUT, 900, env)
+        self.collective_timeout = env_float(control.ENV_COLLECTIVE_TIMEOUT, 600, env)
         self.control = self.new_control_connection()
         self.round_id = 0
         self.membership = None
@@ -79,15 +82,16 @@ class Worker:
         self.placement = None
         self.retired_groups = RetiredGroups()
         self._latest = 0
-        self._size_hint = int(os.environ.get(control.ENV_SIZE) or 1)   # sets how often we look
+        self._size_hint = int(env.get(control.ENV_SIZE) or 1)   # sets how often we look
         self._healed_at = 0.0
         self._standing = set()      # our sealed reports kept in place until the next round
         self._rendezvous = None     # the forming round's SignedStore, healed until it checks
+        self._round_store = None    # the current round's SignedStore (its keys go with it)
         self.progress = Progress()
         self.leave_requested = 0     # the signal number once SIGTERM asked us to leave
         self._leave_flagged = 0      # ... as this rank's commit flags told its peers
         self._leaving = LeavingReport(self)
-        self._heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0))
+        self._heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0, env))
         self._heartbeat.start()
 
     def new_control_connection(self, timeout=None):
@@ -101,11 +105,6 @@ class Worker:
         if value is not None:
             self._latest = max(self._latest, int(value["round"]))
         return self._latest
-
-    def new_round_pending(self):
-        """Asked at every commit, a quiet moment to free past groups that have drained."""
-        self.retired_groups.release_drained()
-        return self.latest_round() > self.round_id
 
     @property
     def polls_work(self):
@@ -164,10 +163,15 @@ class Worker:
         self._heartbeat.wake()      # tell the driver now, from the heartbeat's connection
 
     def commit_flags(self):
-        """What this rank brings to the commit's collective check."""
+        """What this rank brings to the commit's collective check.
+
+        Only rank 0 looks at the store: the collective (a Max) hands its answer to
+        every rank, so a commit costs the store two looks, not two per rank."""
+        self.retired_groups.release_drained()
         self._leave_flagged = self.leave_requested
-        return [1 if self.new_round_pending() else 0, 1 if self._leave_flagged else 0,
-                1 if self.stop_requested() else 0]
+        looks = self.membership is None or self.membership.rank == 0
+        return [1 if looks and self.latest_round() > self.round_id else 0,
+                1 if self._leave_flagged else 0, 1 if looks and self.stop_requested() else 0]
 
     def act_on_commit_flags(self, flags, commit):
         """Every rank got the same Max of the flags, so every rank acts alike. A SIGTERM
@@ -251,7 +255,7 @@ class Worker:
         self._size_hint = int(plan["size"])
         if not control.ids_contain(plan["ids"], self.worker_id):
             if self.ever_member:
-                self._leave(f"not a member of round {round_id}; leaving the job")
+                self.leave_process(f"not a member of round {round_id}; leaving the job")
             return False
         me = self.control.get(Keys.member(round_id, self.worker_id))
         if me is None:
@@ -310,12 +314,11 @@ class Worker:
         if self.placement.device is not None:
             # The current CUDA device is per thread: set it where training runs.
             torch.cuda.set_device(self.placement.device)
-        self._rendezvous = SignedStore(self.control, Keys.process_group(round_id),
-                                       self.collective_timeout)
+        self._rendezvous = self._round_store = SignedStore(
+            self.control, Keys.process_group(round_id), self.collective_timeout)
         try:
             self.progress.begin_wait("group set-up", round_id)
-            self.cpu_group, self.device_group = build_groups(self, round_id, self.placement,
-                                                             self._rendezvous)
+            self.cpu_group, self.device_group = self.form_groups(round_id)
         except WorkersDepartedError:
             self.report_failure()
             self._drop_groups()
@@ -327,6 +330,10 @@ class Worker:
         self.ever_member = True
         return True
 
+    def form_groups(self, round_id):
+        """The round's (CPU group, device group), through its signing rendezvous."""
+        return build_groups(self, round_id, self.placement, self._rendezvous)
+
     def _drop_groups(self):
         """Leave the round's groups without waiting for them to drain.
 
@@ -337,10 +344,18 @@ class Worker:
         """
         self.retired_groups.retire(self.cpu_group, self.device_group)
         self.cpu_group = self.device_group = None
+        if self._round_store is not None:
+            # The round is over: its rendezvous values would stay in the store forever.
+            try:
+                self._round_store.delete_mine()
+            except Exception:  # noqa: BLE001 - the driver also drops old rounds' keys
+                pass
+            self._round_store = None
         self.membership = None
         self.retired_groups.release_drained()
 
-    def _leave(self, why):
+    def leave_process(self, why):
+        """Not in the job any more: end this process (exit 0)."""
         log.info(why)
         self.stop()
         sys.stdout.flush()
@@ -349,6 +364,11 @@ class Worker:
 
     def stop(self):
         self._heartbeat.stop()
+
+    def store_stats(self):
+        """(requests, bytes read) on this worker's store connections so far."""
+        beats = self._heartbeat.store_stats()
+        return self.control.requests + beats[0], self.control.bytes_read + beats[1]
 
 
 # -- module-level API ----------------------------------------------------------

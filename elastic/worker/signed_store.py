@@ -144,6 +144,13 @@ class SignedStore(dist.Store):
             self._mine.pop(full, None)
         return self._raw.delete_key(full)
 
+    def delete_mine(self):
+        """Remove what this process set (its round is over: every peer has read it)."""
+        with self._lock:
+            mine, self._mine = list(self._mine), {}
+        for full in mine:
+            self._raw.delete_key(full)
+
     def num_keys(self):
         return self._raw.num_keys()
 

@@ -1,0 +1,126 @@
+"""The round protocol's pieces, on a real TCPStore: the header's id runs, chunked
+reads of many keys, and the driver's side of a round's assembly."""
+
+import random
+import secrets
+
+import pytest
+
+from elastic import protocol as control
+from elastic.protocol import ControlStore, Keys
+from elastic.runner.control_plane import DriverControl
+
+
+def test_id_runs_hold_exactly_the_members():
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = {str(i) for i in rng.sample(range(2000), rng.randint(0, 300))}
+        ids |= {f"w{i}" for i in range(rng.randint(0, 3))}      # ids a test harness uses
+        encoded = control.encode_ids(ids)
+        assert sorted(control.decode_ids(encoded)) == sorted(ids)
+        for probe in [*map(str, range(-1, 2002, 7)), "w0", "w9", "x"]:
+            assert control.ids_contain(encoded, probe) == (probe in ids), (probe, encoded)
+
+
+def test_consecutive_ids_are_one_run_whatever_the_size():
+    assert control.encode_ids(map(str, range(4096))) == [[0, 4096]]
+    # A replaced worker gets a new id: one more run, not one more entry per member.
+    ids = [str(i) for i in range(4096) if i != 17] + ["4096"]
+    assert control.encode_ids(ids) == [[0, 17], [18, 4079]]
+
+
+def test_poll_pause_keeps_small_jobs_quick_and_bounds_the_store_load():
+    assert control.poll_pause(4, 0.0) == 0.005
+    assert control.poll_pause(4, 10.0) == 0.1
+    big = control.poll_pause(4096, 0.0)
+    assert 4096 / big <= control.STORE_LOOKS_PER_S * 1.0001
+
+
+@pytest.fixture
+def store():
+    master = control.listen("127.0.0.1", 30)
+    yield master
+    del master
+
+
+def test_get_present_reads_many_keys_in_few_round_trips(store):
+    cs = ControlStore(store, secrets.token_hex(16))
+    keys = [f"k/{i}" for i in range(2000)]
+    missing = {keys[5], keys[600], keys[1999]}
+    cs.put_many({k: {"i": i} for i, k in enumerate(keys) if k not in missing})
+    cs.raw.set(keys[700], b"forged")                 # present but not sealed: left out
+    before = cs.requests
+    found = cs.get_present(keys)
+    assert set(found) == set(keys) - missing - {keys[700]}
+    assert all(found[k] == {"i": keys.index(k)} for k in list(found)[:50])
+    # 4 chunks, and a split of log2(512) looks for each chunk with a missing key.
+    assert cs.requests - before < 4 * 2 + 4 * 2 * 10, cs.requests - before
+
+
+def _arrive(worker_store, round_id, wid):
+    worker_store.put(Keys.joined(round_id, wid), {"round": round_id})
+
+
+def test_the_driver_says_assembled_once_every_member_arrived():
+    secret = secrets.token_hex(16)
+    plane = DriverControl({"localhost": 3}, {"localhost"}, secret)
+    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
+    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 3, "local_rank": i,
+                "local_size": 3, "cross_rank": 0, "cross_size": 1} for i in range(3)]
+    plane.publish(1, members)
+    header = worker.get(Keys.plan(1))
+    assert header["size"] == 3 and control.ids_contain(header["ids"], "2")
+    assert worker.get(Keys.member(1, "1")) == members[1]
+    assert plane.assembly(1) == 0
+    _arrive(worker, 1, "0")
+    _arrive(worker, 1, "2")
+    assert plane.assembly(1) == 2 and worker.get(Keys.assembled(1)) is None
+    _arrive(worker, 1, "1")
+    assert plane.assembly(1) == 3
+    assert worker.get(Keys.assembled(1)) == {"round": 1, "ok": True}
+    assert plane.assembly(1) is None          # nothing is read once it assembled
+
+
+def test_an_abort_before_assembly_releases_the_waiting_members():
+    secret = secrets.token_hex(16)
+    plane = DriverControl({"localhost": 2}, {"localhost"}, secret)
+    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
+    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 2, "local_rank": i,
+                "local_size": 2, "cross_rank": 0, "cross_size": 1} for i in range(2)]
+    plane.publish(1, members)
+    _arrive(worker, 1, "0")
+    assert plane.assembly(1) == 1
+    plane.abort(1)
+    assert worker.get(Keys.assembled(1)) == {"round": 1, "ok": False}
+    assert worker.has(Keys.abort(1))
+    # A round replaced before it assembled says so too.
+    plane.publish(2, members)
+    plane.publish(3, members[:1])
+    assert worker.get(Keys.assembled(2)) == {"round": 2, "ok": False}
+    assert worker.get(Keys.plan(3))["size"] == 1
+
+
+def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
+    import time
+
+    from elastic.runner.control_plane import ROUND_KEYS_KEPT
+    secret = secrets.token_hex(16)
+    plane = DriverControl({"localhost": 2}, {"localhost"}, secret)
+    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
+    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 2, "local_rank": i,
+                "local_size": 2, "cross_rank": 0, "cross_size": 1} for i in range(2)]
+    for r in range(1, ROUND_KEYS_KEPT + 3):
+        plane.publish(r, members)
+        for m in members:
+            _arrive(worker, r, m["worker_id"])
+        assert plane.assembly(r) == 2
+    worker.put(Keys.heartbeat("1"), {"beat": 1})
+    plane.worker_gone("1")
+    old = [Keys.plan(1), Keys.member(1, "0"), Keys.joined(1, "1"), Keys.assembled(2),
+           Keys.heartbeat("1")]
+    deadline = time.monotonic() + 30
+    while any(worker.present(k) for k in old) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(worker.present(k) for k in old)
+    r = ROUND_KEYS_KEPT + 2                     # the newest rounds are all still there
+    assert worker.get(Keys.plan(r))["size"] == 2 and worker.has(Keys.member(3, "1"))
