@@ -69,6 +69,7 @@ def driver_main(hosts_file, event_log, stats_file, commands, exits, n):
     try:
         if profile:                       # diagnosis: SIGTERM the driver to write it
             import cProfile
+
             from elastic.runner.driver import install_signal_handlers
             install_signal_handlers(driver)
             cProfile.runctx("driver.run()", globals(), {"driver": driver}, profile)

@@ -15,13 +15,13 @@ import signal
 import threading
 
 import pytest
-
-from elastic import protocol as control
 from adversary import FAKE_MAC, FirstSightVandal, Outsider
 from jobs import Job, sizes_in_order
 from listening import listening_sockets
 from procs import job_workers
 from procs import state as proc_state
+
+from elastic import protocol as control
 
 LISTENING = re.compile(r"control store listening on (\S+):(\d+) \((.*)\)")
 
