@@ -61,6 +61,19 @@ def _arrive(worker_store, round_id, wid):
     worker_store.put(Keys.joined(round_id, wid), {"round": round_id})
 
 
+def eventually(read, want, timeout=30.0):
+    """What ``read`` returns once it returns ``want``: a TCPStore set is not
+    acknowledged, so another connection sees it a moment later (one connection's
+    own requests stay in order, which is what the protocol relies on)."""
+    import time
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.005)
+        value = read()
+    return value
+
+
 def test_the_driver_says_assembled_once_every_member_arrived():
     secret = secrets.token_hex(16)
     plane = DriverControl({"localhost": 3}, {"localhost"}, secret)
@@ -68,16 +81,19 @@ def test_the_driver_says_assembled_once_every_member_arrived():
     members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 3, "local_rank": i,
                 "local_size": 3, "cross_rank": 0, "cross_size": 1} for i in range(3)]
     plane.publish(1, members)
+    assert eventually(lambda: worker.get(Keys.LATEST_ROUND), {"round": 1}) == {"round": 1}
     header = worker.get(Keys.plan(1))
     assert header["size"] == 3 and control.ids_contain(header["ids"], "2")
     assert worker.get(Keys.member(1, "1")) == members[1]
     assert plane.assembly(1) == 0
     _arrive(worker, 1, "0")
     _arrive(worker, 1, "2")
-    assert plane.assembly(1) == 2 and worker.get(Keys.assembled(1)) is None
+    assert eventually(lambda: plane.assembly(1), 2) == 2
+    assert worker.get(Keys.assembled(1)) is None
     _arrive(worker, 1, "1")
-    assert plane.assembly(1) == 3
-    assert worker.get(Keys.assembled(1)) == {"round": 1, "ok": True}
+    assert eventually(lambda: plane.assembly(1), 3) == 3
+    assert eventually(lambda: worker.get(Keys.assembled(1)), {"round": 1, "ok": True}) == \
+        {"round": 1, "ok": True}
     assert plane.assembly(1) is None          # nothing is read once it assembled
 
 
@@ -89,13 +105,15 @@ def test_an_abort_before_assembly_releases_the_waiting_members():
                 "local_size": 2, "cross_rank": 0, "cross_size": 1} for i in range(2)]
     plane.publish(1, members)
     _arrive(worker, 1, "0")
-    assert plane.assembly(1) == 1
+    assert eventually(lambda: plane.assembly(1), 1) == 1
     plane.abort(1)
-    assert worker.get(Keys.assembled(1)) == {"round": 1, "ok": False}
+    assert eventually(lambda: worker.get(Keys.assembled(1)), {"round": 1, "ok": False}) == \
+        {"round": 1, "ok": False}
     assert worker.has(Keys.abort(1))
     # A round replaced before it assembled says so too.
     plane.publish(2, members)
     plane.publish(3, members[:1])
+    assert eventually(lambda: worker.get(Keys.LATEST_ROUND), {"round": 3}) == {"round": 3}
     assert worker.get(Keys.assembled(2)) == {"round": 2, "ok": False}
     assert worker.get(Keys.plan(3))["size"] == 1
 
@@ -113,7 +131,7 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
         plane.publish(r, members)
         for m in members:
             _arrive(worker, r, m["worker_id"])
-        assert plane.assembly(r) == 2
+        assert eventually(lambda: plane.assembly(r), 2) == 2
     worker.put(Keys.heartbeat("1"), {"beat": 1})
     plane.worker_gone("1")
     old = [Keys.plan(1), Keys.member(1, "0"), Keys.joined(1, "1"), Keys.assembled(2),
@@ -123,4 +141,5 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
         time.sleep(0.02)
     assert not any(worker.present(k) for k in old)
     r = ROUND_KEYS_KEPT + 2                     # the newest rounds are all still there
+    assert eventually(lambda: worker.get(Keys.LATEST_ROUND), {"round": r}) == {"round": r}
     assert worker.get(Keys.plan(r))["size"] == 2 and worker.has(Keys.member(3, "1"))

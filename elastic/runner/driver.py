@@ -47,7 +47,7 @@ from elastic.runner.decisions import (
 from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
-from elastic.runner.policy import decide
+from elastic.runner.policy import can_skip, decide
 from elastic.runner.stalls import Liveness
 
 log = logging.getLogger("elasticrun")
@@ -123,6 +123,16 @@ class WorkerRecord:
                           leaving=self.leaving, leaving_since=self.leaving_since)
 
 
+@dataclass
+class Observed:
+    """What one tick saw, before deciding whether ``decide`` needs to run."""
+    exits: list
+    liveness_checked: bool
+    failure_reports: int
+    joined: int
+    unready: int                      # live workers neither ready nor stopped
+
+
 class Driver:
     """Gathers facts, asks ``policy.decide`` and carries out its actions."""
 
@@ -146,6 +156,11 @@ class Driver:
         self.events = EventLog(config.event_log)
         self.stop_signal = None    # the first SIGTERM/SIGINT to elasticrun
         self._published_at = 0.0
+        self._settled_at = None    # when decide last ran and returned nothing (quiet ticks)
+        self._decided_version = -1
+        self._newly_ready = 0
+        self._last_spawn_at = None
+        self.quiet_ticks = 0
 
     def request_stop(self, signum):
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -182,10 +197,17 @@ class Driver:
             while True:
                 now = time.monotonic()
                 self._take_discovery(background.poll(), now)
-                for action in decide(self._gather(now), now):
-                    outcome = self._carry_out(action, now)
-                    if outcome is not None:
-                        return outcome
+                seen = self._observe(now)
+                if self._quiet(seen, now):
+                    self.quiet_ticks += 1           # nothing decide could act on: O(1)
+                else:
+                    self._decided_version, self._newly_ready = self.hosts.version, 0
+                    actions = decide(self._facts(seen), now)
+                    self._settled_at = None if actions else now
+                    for action in actions:
+                        outcome = self._carry_out(action, now)
+                        if outcome is not None:
+                            return outcome
                 self.reporter.poll(now)
                 self.plane.heal(now)
                 time.sleep(TICK_S)
@@ -225,7 +247,24 @@ class Driver:
             self.events.emit("host_restored", host=host)
 
     # -- facts ----------------------------------------------------------------------
-    def _gather(self, now):
+    def _quiet(self, seen, now):
+        return can_skip(self.job, self.limits, now, settled_at=self._settled_at,
+                        exits=seen.exits, liveness_checked=seen.liveness_checked,
+                        failure_reports=seen.failure_reports, newly_ready=self._newly_ready,
+                        unready=seen.unready, last_spawn_at=self._last_spawn_at,
+                        hosts_changed=self.hosts.version != self._decided_version,
+                        stop_signal=self.stop_signal)
+
+    def _facts(self, seen):
+        return Facts(job=self.job, limits=self.limits, hosts=self.hosts,
+                     workers={wid: w.view() for wid, w in self.workers.items()},
+                     exits=tuple(seen.exits), liveness_checked=seen.liveness_checked,
+                     failure_reports=seen.failure_reports, joined=seen.joined,
+                     stop_signal=self.stop_signal)
+
+    def _observe(self, now):
+        """This tick's observations: exits, registrations, heartbeats (every
+        HEARTBEAT_CHECK_S), failure reports and the current round's assembly."""
         exits = []
         for wid, w in list(self.workers.items()):
             code = w.proc.poll()
@@ -243,6 +282,7 @@ class Driver:
         for wid in (self.plane.ready(unready) if unready else ()):
             w = self.workers[wid]
             w.ready = True
+            self._newly_ready += 1
             log.debug("worker %s on %s is ready", w.worker_id, w.host)
             self.events.emit("worker_ready", worker=w.worker_id, host=w.host)
         checked = now - self._last_heartbeat_check >= HEARTBEAT_CHECK_S
@@ -262,10 +302,8 @@ class Driver:
             reports = int(self.plane.failure_reported(job.round_id,
                                                       job.rounds.get(job.round_id, ())))
         joined = self._assembly(job, now) if job.round_id else 0
-        return Facts(job=job, limits=self.limits, hosts=self.hosts,
-                     workers={wid: w.view() for wid, w in self.workers.items()},
-                     exits=tuple(exits), liveness_checked=checked, failure_reports=reports,
-                     joined=joined, stop_signal=self.stop_signal)
+        waiting = sum(1 for w in self.workers.values() if not w.ready and not w.stopped)
+        return Observed(exits, checked, reports, joined, waiting)
 
     def _assembly(self, job, now):
         """Members of the current round that arrived (all of them once it assembled)."""
@@ -291,6 +329,7 @@ class Driver:
         self.job = evolve(self.job, action)
         if isinstance(action, Spawn):
             self.plane.announce()      # where the workers connect, said once they start
+            self._last_spawn_at = now
             proc = self._launch(action.worker_id, action.host, action.assignment)
             self.workers[action.worker_id] = WorkerRecord(
                 action.worker_id, action.host, action.slot, proc, now, heartbeat_at=now)
