@@ -131,7 +131,7 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
         plane.publish(r, members)
         for m in members:
             _arrive(worker, r, m["worker_id"])
-        assert eventually(lambda: plane.assembly(r), 2) == 2
+        assert eventually(lambda r=r: plane.assembly(r), 2) == 2
     worker.put(Keys.heartbeat("1"), {"beat": 1})
     plane.worker_gone("1")
     old = [Keys.plan(1), Keys.member(1, "0"), Keys.joined(1, "1"), Keys.assembled(2),

@@ -8,7 +8,6 @@ abort key (waiting.py). See docs/architecture.md for a round's life.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -24,7 +23,7 @@ from elastic import protocol as control
 from elastic.exceptions import ElasticError, HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
 from elastic.protocol import ControlError, ControlStore, Keys, env_float
 from elastic.worker import logs
-from elastic.worker.devices import PlacementError
+from elastic.worker.exit_guard import ExitGuard
 from elastic.worker.groups import RetiredGroups, build_groups, placement_for
 from elastic.worker.liveness import Heartbeat, LeavingReport, Progress
 from elastic.worker.signed_store import SignedStore
@@ -408,52 +407,7 @@ def _install_leave_on_sigterm():
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-class _ExitGuard:
-    """Ends a worker process without running C++ destructors.
-
-    Groups from aborted rounds may still hold gloo work blocked on a peer;
-    destroying them at interpreter exit can end in std::terminate. So the
-    worker leaves with os._exit once Python-level cleanup (atexit handlers
-    registered after init, logging, stdio) has run, keeping the exit status.
-    """
-
-    def __init__(self):
-        self.code = 0
-        self._installed = False
-
-    def install(self):
-        if self._installed:
-            return
-        self._installed = True
-        original_exit, original_hook = sys.exit, sys.excepthook
-
-        def exit_(status=None):
-            self.code = status if isinstance(status, int) else (0 if status is None else 1)
-            original_exit(status)
-
-        def hook(kind, value, tb):
-            self.code = 1
-            if isinstance(value, PlacementError):
-                # A configuration error, the same on every round: one line, no traceback.
-                sys.stderr.write(f"elastic: error: {value}\n")
-                return
-            original_hook(kind, value, tb)
-
-        sys.exit, sys.excepthook = exit_, hook
-        atexit.register(self._leave)
-
-    def _leave(self):
-        shutdown()
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream must not change the exit
-                pass
-        os._exit(self.code)
-
-
-_exit_guard = _ExitGuard()
+_exit_guard = ExitGuard(lambda: shutdown())
 
 
 def is_initialized() -> bool:
