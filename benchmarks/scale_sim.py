@@ -31,6 +31,7 @@ from elastic.worker.runtime import Worker
 
 KILLED = -9          # the exit code of a worker the driver stopped (as for SIGKILL)
 CRASHED = 1          # a worker the harness crashed
+STARTERS = 8         # workers that connect at once in one simulated process
 
 
 def sim_of(host: str, processes: int) -> int:
@@ -111,6 +112,8 @@ class Gone(Exception):
 
 
 class SimWorker(Worker):
+    beats_on_own_thread = False     # SimProcess.beat sends every worker's beats
+
     def form_groups(self, round_id):
         return None, None           # no model, no process group
 
@@ -130,7 +133,7 @@ class CommitBus(threading.Thread):
         self.every = every
         self.latest = 0
         self.stopping = False
-        self.tick = threading.Condition()
+        self.changed = threading.Event()     # replaced (and set) whenever what we saw changes
 
     def run(self):
         while True:
@@ -139,18 +142,20 @@ class CommitBus(threading.Thread):
                 stopping = self.control.get(Keys.STOP) is not None
             except Exception:  # noqa: BLE001 - the driver is gone; the workers notice too
                 return
-            with self.tick:
-                if value is not None:
-                    self.latest = max(self.latest, int(value["round"]))
-                self.stopping = stopping
-                self.tick.notify_all()
+            latest = max(self.latest, int(value["round"])) if value is not None else self.latest
+            if (latest, stopping) != (self.latest, self.stopping):
+                self.latest, self.stopping = latest, stopping
+                changed, self.changed = self.changed, threading.Event()
+                changed.set()
             time.sleep(self.every)
 
-    def next_commit(self, timeout):
-        """Wait for the next look; (latest round, stopping)."""
-        with self.tick:
-            self.tick.wait(timeout)
-            return self.latest, self.stopping
+    def next_change(self, round_id, timeout):
+        """Block until a commit would see a round newer than ``round_id`` or the stop
+        (a worker between changes only sleeps); (latest round, stopping)."""
+        changed = self.changed
+        if self.latest <= round_id and not self.stopping:
+            changed.wait(timeout)
+        return self.latest, self.stopping
 
 
 class SimProcess:
@@ -165,6 +170,8 @@ class SimProcess:
         self.workers = {}
         self.joins = []             # (worker id, round, requests, bytes read, seconds)
         self.lock = threading.Lock()
+        self.starting = queue.SimpleQueue()
+        self.ended = set()
 
     def serve(self):
         logging.getLogger().setLevel(logging.ERROR)
@@ -188,17 +195,53 @@ class SimProcess:
         if self.bus is None:
             self.bus = CommitBus(env, self.commit_s)
             self.bus.start()
-        killed = self.killed[worker_id] = threading.Event()
-        threading.Thread(target=self.run_worker, args=(worker_id, env, killed), daemon=True,
-                         name=f"sim-{worker_id}").start()
+            for _ in range(STARTERS):
+                threading.Thread(target=self.start_workers, daemon=True,
+                                 name="sim-starter").start()
+            threading.Thread(target=self.beat, daemon=True, name="sim-heartbeat").start()
+        self.killed[worker_id] = threading.Event()
+        self.starting.put((worker_id, env))
 
-    def run_worker(self, worker_id, env, killed):
-        code = 0
-        w = None
-        try:
-            w = SimWorker(env)
+    def start_workers(self):
+        """A few workers connect at a time: thousands of threads connecting at once
+        would starve this 2-core machine (on a cluster each has its own)."""
+        while True:
+            worker_id, env = self.starting.get()
+            killed = self.killed[worker_id]
+            try:
+                w = SimWorker(env)
+            except Exception:  # noqa: BLE001 - the store is gone
+                self.exits.put((worker_id, 1))
+                continue
             with self.lock:
                 self.workers[worker_id] = w
+            threading.Thread(target=self.run_worker, args=(worker_id, w, killed), daemon=True,
+                             name=f"sim-{worker_id}").start()
+
+    def beat(self, interval=1.0):
+        """Every live worker's heartbeat, each on its own connection as the real
+        thread does, from one thread: a thread per worker would starve this machine."""
+        beat, failures = 0, {}
+        while True:
+            beat += 1
+            began = time.monotonic()
+            with self.lock:
+                live = [(wid, w) for wid, w in self.workers.items()
+                        if wid not in self.ended and not self.killed[wid].is_set()]
+            for wid, w in live:
+                try:
+                    w.heartbeat.send(beat)
+                    failures.pop(wid, None)
+                except Exception:  # noqa: BLE001 - as the real thread: 3 in a row end it
+                    failures[wid] = failures.get(wid, 0) + 1
+                    if failures[wid] >= 3:
+                        self.codes[wid] = CRASHED
+                        self.killed[wid].set()
+            time.sleep(max(0.0, interval - (time.monotonic() - began)))
+
+    def run_worker(self, worker_id, w, killed):
+        code = 0
+        try:
             while not killed.is_set():
                 requests, read = w.control.requests, w.control.bytes_read
                 began = time.monotonic()
@@ -207,7 +250,7 @@ class SimProcess:
                     self.joins.append((worker_id, w.round_id, w.control.requests - requests,
                                        w.control.bytes_read - read, time.monotonic() - began))
                 while not killed.is_set():
-                    latest, stopping = self.bus.next_commit(self.commit_s * 4)
+                    latest, stopping = self.bus.next_change(w.round_id, self.commit_s * 4)
                     if stopping:
                         raise Gone("elasticrun is stopping")
                     if latest > w.round_id:
@@ -219,10 +262,11 @@ class SimProcess:
         except Exception:  # noqa: BLE001 - the driver went away
             code = 1
         finally:
-            if w is not None:
-                w.stop()
+            w.stop()
         if killed.is_set():
             code = self.codes.get(worker_id, KILLED)
+        with self.lock:
+            self.ended.add(worker_id)
         self.exits.put((worker_id, code))
 
     def stats(self):

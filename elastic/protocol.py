@@ -93,7 +93,7 @@ def env_float(name: str, default: float, environ: Mapping[str, str] | None = Non
 # Waiting members of a round of ``size`` look at one small key each pause; the pause grows
 # with the size so that the store sees at most about STORE_LOOKS_PER_S looks per second
 # from all of them together (a 4-worker round still looks every few ms).
-STORE_LOOKS_PER_S = 20000.0
+STORE_LOOKS_PER_S = 10000.0
 
 
 def poll_pause(size: int, waited: float, first: float = 0.005, longest: float = 0.1) -> float:
@@ -134,6 +134,7 @@ def decode_ids(encoded) -> list:
 
 
 _CHUNK = 512            # keys per check / multi_get in get_present
+_SMALL_CHUNK = 32       # ... below which a chunk with a missing key is read key by key
 _REPLAY_MEMORY = 1 << 16  # keys whose highest accepted sequence number is remembered
 
 
@@ -283,10 +284,13 @@ class ControlStore:
             for k, b in zip(keys, got):
                 blobs[k] = bytes(b)
                 self.bytes_read += len(blobs[k])
-        elif len(keys) > 1:
+        elif len(keys) > _SMALL_CHUNK:
             half = len(keys) // 2
             self._read_chunk(keys[:half], blobs)
             self._read_chunk(keys[half:], blobs)
+        elif len(keys) > 1:
+            for key in keys:           # few left: one look each beats halving further
+                self._read_chunk([key], blobs)
 
     def has(self, key):
         return self.get(key) is not None
@@ -335,10 +339,46 @@ class ControlStore:
         return value
 
 
+class Doorbell:
+    """Who says they just wrote a sealed key: an unsealed, append-only list of names.
+
+    Writers append their name after putting their sealed value, so the reader
+    verifies only the keys of the names that are new since its last look instead
+    of asking about every key it still waits for. Names are never trusted: each is
+    checked against its sealed key. An outsider can ring false names (they fail
+    verification) or wipe the list (the reader's slow full look, every few
+    seconds, still finds every sealed key)."""
+
+    def __init__(self, store: ControlStore, key: str):
+        self.store, self.key = store, key
+        self._offset = 0
+
+    def ring(self, name: str) -> None:
+        self.store.requests += 1
+        self.store.raw.append(self.key, f"{name}\n".encode())
+
+    def new_names(self) -> list:
+        """Names rung since the last call (all of them again if the list was rewritten)."""
+        if not self.store.present(self.key):
+            self._offset = 0
+            return []
+        self.store.requests += 1
+        blob = bytes(self.store.raw.get(self.key))
+        self.store.bytes_read += len(blob)
+        if len(blob) < self._offset:
+            self._offset = 0
+        end = blob.rfind(b"\n") + 1
+        if end <= self._offset:
+            return []
+        fresh, self._offset = blob[self._offset:end], end
+        return [n for n in fresh.decode("ascii", "replace").split("\n") if 0 < len(n) <= 64]
+
+
 class Keys:
     """Every control-plane key in one place, so driver and worker agree."""
 
     LATEST_ROUND = "round/latest"
+    REGISTERED = "workers/registered"      # Doorbell: workers that put their ready key
 
     @staticmethod
     def plan(round_id: int | str) -> str:
@@ -365,6 +405,11 @@ class Keys:
     def joined(round_id: int | str, worker_id: int | str) -> str:
         """A member arrived at the round (each member waits for all of them)."""
         return f"round/{round_id}/joined/{worker_id}"
+
+    @staticmethod
+    def arrivals(round_id: int | str) -> str:
+        """Doorbell: members that put their joined key in this round."""
+        return f"round/{round_id}/arrivals"
 
     @staticmethod
     def failures(round_id: int | str) -> str:

@@ -5,6 +5,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys
@@ -12,6 +13,7 @@ from elastic.runner import binding
 
 log = logging.getLogger("elasticrun")
 HEAL_EVERY_S = 0.5        # put back the driver's own keys if someone overwrote them
+FULL_LOOK_S = 2.0         # every awaited key is looked at this often (a doorbell may be wiped)
 ROUND_KEYS_KEPT = 8       # rounds whose keys stay in the store; older ones are deleted
 ASSEMBLED_KEPT = 3        # the assembly outcome of this many recent rounds is kept in place
 
@@ -66,6 +68,9 @@ class DriverControl:
         self._announced = False
         self._assembling = {}     # round id -> (member ids not arrived yet, all member ids)
         self._history = collections.deque()    # (round id, member ids) of recent rounds
+        self._registered = control.Doorbell(self.store, Keys.REGISTERED)
+        self._bells = {}           # round id -> Doorbell of its arrivals
+        self._full_looks = {}      # what was last looked at in full, and when
         self._janitor = Janitor(self.binding.local_connect_address(), self.port, secret)
 
     def close(self):
@@ -115,22 +120,26 @@ class DriverControl:
         for old in list(self._assembling):
             self._settle(old, False)       # replaced (the driver aborted it already)
         self._assembling[round_id] = (set(ids), ids)
+        self._full_looks[("arrivals", round_id)] = time.monotonic()   # the bell comes first
         self._history.append((round_id, ids))
         while len(self._history) > ROUND_KEYS_KEPT:
             self._janitor.drop(self._round_keys(*self._history.popleft()))
         self.store.forget(Keys.plan(round_id - 1))
         self.store.forget(Keys.assembled(round_id - ASSEMBLED_KEPT))
 
-    def assembly(self, round_id):
-        """How many members of ``round_id`` have arrived; reads only the arrivals still
-        awaited, and says ``assembled`` on the round's key once all are in."""
+    def assembly(self, round_id, now=None):
+        """How many members of ``round_id`` have arrived; reads only the arrivals rung
+        since the last look (every awaited one every FULL_LOOK_S), and says
+        ``assembled`` on the round's key once all are in."""
         entry = self._assembling.get(round_id)
         if entry is None:
             return None                     # assembled (or replaced) already
         pending, ids = entry
-        keys = {Keys.joined(round_id, w): w for w in pending}
-        for key in self.store.get_present(keys):
-            pending.discard(keys[key])
+        bell = self._bells.setdefault(round_id, control.Doorbell(self.store,
+                                                                  Keys.arrivals(round_id)))
+        for wid in self._verified(bell, pending, lambda w: Keys.joined(round_id, w),
+                                  ("arrivals", round_id), now):
+            pending.discard(wid)
         if pending:
             return len(ids) - len(pending)
         self._settle(round_id, True)
@@ -143,6 +152,8 @@ class DriverControl:
 
     def _settle(self, round_id, ok):
         _, ids = self._assembling.pop(round_id)
+        self._bells.pop(round_id, None)
+        self._full_looks.pop(("arrivals", round_id), None)
         self.store.put(Keys.assembled(round_id), {"round": round_id, "ok": ok}, keep=True)
         for wid in ids:
             self.store.forget(Keys.member(round_id, wid))
@@ -150,6 +161,7 @@ class DriverControl:
     @staticmethod
     def _round_keys(round_id, ids):
         keys = [Keys.plan(round_id), Keys.assembled(round_id), Keys.abort(round_id),
+                Keys.arrivals(round_id),
                 Keys.failures(round_id), Keys.pause(round_id)]
         for wid in ids:
             keys += [Keys.member(round_id, wid), Keys.joined(round_id, wid),
@@ -162,9 +174,19 @@ class DriverControl:
                             Keys.done(worker_id), Keys.progress(worker_id),
                             Keys.leaving(worker_id)])
 
-    def ready(self, worker_ids):
-        """Those of ``worker_ids`` whose sealed registration is in the store."""
-        keys = {Keys.ready(w): w for w in worker_ids}
+    def ready(self, worker_ids, now=None):
+        """Those of ``worker_ids`` whose sealed registration is in the store (looking
+        at the ones that rang, and at all of them every FULL_LOOK_S)."""
+        return self._verified(self._registered, set(worker_ids), Keys.ready, "ready", now)
+
+    def _verified(self, bell, awaited, key_of, look, now):
+        """The awaited names whose sealed key holds a value."""
+        now = time.monotonic() if now is None else now
+        names = [w for w in bell.new_names() if w in awaited]
+        if now - self._full_looks.get(look, 0.0) >= FULL_LOOK_S:
+            self._full_looks[look] = now
+            names = list(awaited)
+        keys = {key_of(w): w for w in dict.fromkeys(names)}
         return {keys[k] for k in self.store.get_present(keys)}
 
     def failure_reported(self, round_id, member_ids):

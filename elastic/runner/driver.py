@@ -279,7 +279,7 @@ class Driver:
                               leaving=self._signed(Keys.leaving(wid))))
             self.plane.worker_gone(wid)
         unready = [w.worker_id for w in self.workers.values() if not w.ready]
-        for wid in (self.plane.ready(unready) if unready else ()):
+        for wid in (self.plane.ready(unready, now) if unready else ()):
             w = self.workers[wid]
             w.ready = True
             self._newly_ready += 1
@@ -307,7 +307,7 @@ class Driver:
 
     def _assembly(self, job, now):
         """Members of the current round that arrived (all of them once it assembled)."""
-        count = self.plane.assembly(job.round_id)
+        count = self.plane.assembly(job.round_id, now)
         if count is None:
             return len(job.members)
         if count == len(job.members):

@@ -55,6 +55,11 @@ class Progress:
         return value
 
 
+# A connect to a live driver can stall for seconds when thousands connect at once; a
+# dead driver refuses at once, so a generous timeout does not slow orphan detection.
+CONNECT_TIMEOUT_S = 15.0
+
+
 class Heartbeat(threading.Thread):
     """Puts a signed beat (count + progress) on its own store connection; exits the
     process when the driver is gone.
@@ -91,7 +96,7 @@ class Heartbeat(threading.Thread):
     def send(self, beat):
         w = self._worker
         if self._conn is None:
-            self._conn = w.new_control_connection(timeout=5)
+            self._conn = w.new_control_connection(timeout=CONNECT_TIMEOUT_S)
         value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested)
         if w.leave_requested:
             w.put_leaving(self._conn)

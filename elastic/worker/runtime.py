@@ -55,6 +55,8 @@ class Membership:
 class Worker:
     """One process of an elasticrun job."""
 
+    beats_on_own_thread = True    # make scale beats for many workers from one thread
+
     def __init__(self, environ=None):
         """``environ``: the job's variables (os.environ); ``make scale`` runs many
         workers in one process, each with its own."""
@@ -90,8 +92,9 @@ class Worker:
         self.leave_requested = 0     # the signal number once SIGTERM asked us to leave
         self._leave_flagged = 0      # ... as this rank's commit flags told its peers
         self._leaving = LeavingReport(self)
-        self._heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0, env))
-        self._heartbeat.start()
+        self.heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0, env))
+        if self.beats_on_own_thread:
+            self.heartbeat.start()
 
     def new_control_connection(self, timeout=None):
         store = control.connect(self._addr, self._port, timeout or self.store_timeout)
@@ -159,7 +162,7 @@ class Worker:
     def request_leave(self, signum):
         """SIGTERM to this worker: leave at the next commit, as a graceful removal does."""
         self.leave_requested = int(signum)
-        self._heartbeat.wake()      # tell the driver now, from the heartbeat's connection
+        self.heartbeat.wake()      # tell the driver now, from the heartbeat's connection
 
     def commit_flags(self):
         """What this rank brings to the commit's collective check.
@@ -212,6 +215,7 @@ class Worker:
         self._drop_groups()
         if not self.registered:
             self.control.put(Keys.ready(self.worker_id), {"pid": os.getpid()}, keep=True)
+            control.Doorbell(self.control, Keys.REGISTERED).ring(self.worker_id)
             self._standing.add(Keys.ready(self.worker_id))
             self.registered = True
         deadline = time.monotonic() + self.round_timeout
@@ -268,6 +272,7 @@ class Worker:
         """Put our sealed arrival and wait for the driver's word that every member
         arrived; False if the round was aborted or replaced first."""
         self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
+        control.Doorbell(self.control, Keys.arrivals(round_id)).ring(self.worker_id)
         began = time.monotonic()
         self.progress.begin_wait(f"round {round_id} assembly", round_id)
         looked = began
@@ -362,11 +367,11 @@ class Worker:
         os._exit(0)
 
     def stop(self):
-        self._heartbeat.stop()
+        self.heartbeat.stop()
 
     def store_stats(self):
         """(requests, bytes read) on this worker's store connections so far."""
-        beats = self._heartbeat.store_stats()
+        beats = self.heartbeat.store_stats()
         return self.control.requests + beats[0], self.control.bytes_read + beats[1]
 
 
