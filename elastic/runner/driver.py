@@ -161,6 +161,7 @@ class Driver:
         self._newly_ready = 0
         self._last_spawn_at = None
         self.quiet_ticks = 0
+        self._unready = set()      # live workers whose registration has not been seen
 
     def request_stop(self, signum):
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -266,11 +267,11 @@ class Driver:
         """This tick's observations: exits, registrations, heartbeats (every
         HEARTBEAT_CHECK_S), failure reports and the current round's assembly."""
         exits = []
-        for wid, w in list(self.workers.items()):
-            code = w.proc.poll()
-            if code is None:
-                continue
+        ended = [(wid, w, code) for wid, w in self.workers.items()
+                 if (code := w.proc.poll()) is not None]
+        for wid, w, code in ended:
             del self.workers[wid]
+            self._unready.discard(wid)
             w.proc.join_output()
             done = self.control.get(Keys.done(wid))
             exits.append(Exit(wid, w.host, code, stopped=w.stopped, ready=w.ready,
@@ -278,14 +279,14 @@ class Driver:
                               note=w.proc.describe_exit(code) if code else "",
                               leaving=self._signed(Keys.leaving(wid))))
             self.plane.worker_gone(wid)
-        unready = [w.worker_id for w in self.workers.values() if not w.ready]
-        for wid in (self.plane.ready(unready, now) if unready else ()):
+        for wid in (self.plane.ready(self._unready, now) if self._unready else ()):
             w = self.workers[wid]
             w.ready = True
+            self._unready.discard(wid)
             self._newly_ready += 1
             log.debug("worker %s on %s is ready", w.worker_id, w.host)
             self.events.emit("worker_ready", worker=w.worker_id, host=w.host)
-        checked = now - self._last_heartbeat_check >= HEARTBEAT_CHECK_S
+        checked = now - self._last_heartbeat_check >= self._heartbeat_check_s()
         if checked:
             self._last_heartbeat_check = now
             live = [w for w in self.workers.values() if not w.stopped]
@@ -302,8 +303,15 @@ class Driver:
             reports = int(self.plane.failure_reported(job.round_id,
                                                       job.rounds.get(job.round_id, ())))
         joined = self._assembly(job, now) if job.round_id else 0
-        waiting = sum(1 for w in self.workers.values() if not w.ready and not w.stopped)
+        waiting = sum(1 for wid in self._unready if not self.workers[wid].stopped)
         return Observed(exits, checked, reports, joined, waiting)
+
+    def _heartbeat_check_s(self):
+        """Heartbeats are read every HEARTBEAT_CHECK_S, less often in a big job (a
+        second at 4,096 workers): each read verifies every worker's beat, and a hang is
+        only called after --worker-timeout anyway (exits are seen on every tick)."""
+        return min(max(HEARTBEAT_CHECK_S, len(self.workers) / 4096),
+                   max(HEARTBEAT_CHECK_S, self.cfg.worker_timeout / 10))
 
     def _assembly(self, job, now):
         """Members of the current round that arrived (all of them once it assembled)."""
@@ -333,6 +341,7 @@ class Driver:
             proc = self._launch(action.worker_id, action.host, action.assignment)
             self.workers[action.worker_id] = WorkerRecord(
                 action.worker_id, action.host, action.slot, proc, now, heartbeat_at=now)
+            self._unready.add(action.worker_id)
         elif isinstance(action, Stop):
             w = self.workers.get(action.worker_id)
             if w is not None:
