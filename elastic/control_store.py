@@ -1,0 +1,267 @@
+"""The control store's connection: sealed JSON values under the job's namespace,
+reads of many keys in few round trips, and doorbells (who just wrote a key).
+
+Anyone who can reach the store's port can list, read, write and delete keys
+(the namespace only keeps jobs apart). So every value anyone acts on is sealed
+(elastic/auth.py); protocol.py says what the keys are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic.auth import Rejected, Sealer, WarnOnce, stderr_warning
+from elastic.exceptions import ElasticError
+
+ENV_SECRET = "ELASTIC_SECRET"                # protocol.py names them (and documents them)
+ENV_SECRET_FILE = "ELASTIC_SECRET_FILE"
+
+_CHUNK = 512            # keys per check / multi_get in get_present
+_SMALL_CHUNK = 32       # ... below which a chunk with a missing key is read key by key
+_REPLAY_MEMORY = 1 << 16  # keys whose highest accepted sequence number is remembered
+
+
+class ControlError(ElasticError):
+    """The job secret is missing, or the control store cannot be reached."""
+
+
+def read_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
+    """Prefer a 0600 file so the secret never shows in the environment of ps."""
+    env = os.environ if environ is None else environ
+    path = env.get(ENV_SECRET_FILE)
+    if path:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    secret = env.get(ENV_SECRET)
+    if not secret:
+        raise ControlError("no job secret: set by elasticrun for its workers")
+    return secret.encode()
+
+
+def connect(addr: str, port: int | str, timeout_s: float, is_master: bool = False) -> dist.TCPStore:
+    """One TCPStore client connection (the driver's store: see listen())."""
+    return dist.TCPStore(
+        addr, int(port), is_master=is_master, timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False, use_libuv=True,
+    )
+
+
+def listen(addr: str, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """Host the store on ``addr`` only ("0.0.0.0"/"::" for every interface).
+
+    TCPStore(host, is_master=True) listens on every interface whatever ``host``
+    says, so the listening socket is made here and handed over by its fd."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6 and addr == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            addr, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()        # the store owns the fd now
+    return store
+
+
+class ControlStore:
+    """Sealed JSON values under the job's namespace.
+
+    ``get`` returns a verified value or None; it never raises for what another
+    client wrote. ``put(..., keep=True)`` remembers the value so that ``heal()``
+    can put it back if something overwrote or deleted it: waiters on a key an
+    outsider destroyed get it back within one heal period.
+    """
+
+    def __init__(self, store: dist.Store, secret: bytes | str, warn=stderr_warning):
+        if isinstance(secret, str):
+            secret = secret.encode()
+        namespace = hmac.new(secret, b"elastic-namespace", hashlib.sha256).hexdigest()[:32]
+        self.raw = dist.PrefixStore(namespace + "/", store)
+        self.sealer = Sealer(secret, job=namespace)
+        self.rejected = WarnOnce(warn)
+        self._highest = {}
+        self._kept = {}
+        self.requests = 0       # store round trips and bytes read, for make scale
+        self.bytes_read = 0
+
+    def put(self, key, value, keep=False):
+        blob = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())
+        if keep:
+            self._kept[key] = blob
+        self.requests += 1
+        self.raw.set(key, blob)
+
+    def put_many(self, values, keep=False):
+        """Put {key: value} in one round trip."""
+        keys = list(values)
+        if not keys:
+            return
+        blobs = [self.sealer.seal(k, json.dumps(values[k], sort_keys=True).encode())
+                 for k in keys]
+        if keep:
+            self._kept.update(zip(keys, blobs))
+        self.requests += 1
+        self.raw.multi_set(keys, blobs)
+
+    def forget(self, key):
+        """Stop healing ``key`` (its value stays)."""
+        self._kept.pop(key, None)
+
+    def delete(self, key):
+        """Remove ``key`` from the store (and stop healing it)."""
+        self._kept.pop(key, None)
+        self.requests += 1
+        self.raw.delete_key(key)
+
+    def get(self, key):
+        """The verified value of ``key``; None when absent, forged or replayed."""
+        self.requests += 1
+        if not self.raw.check([key]):
+            return None
+        self.requests += 1
+        blob = bytes(self.raw.get(key))
+        self.bytes_read += len(blob)
+        return self._verify(key, blob)
+
+    def get_many(self, keys):
+        """{key: verified value or None}, in one round trip when all exist."""
+        keys = list(keys)
+        found = self.get_present(keys)
+        return {k: found.get(k) for k in keys}
+
+    def get_present(self, keys):
+        """{key: verified value} for those of ``keys`` that hold one."""
+        found = {}
+        for key, blob in self.raw_present(keys).items():
+            value = self._verify(key, blob)
+            if value is not None:
+                found[key] = value
+        return found
+
+    def raw_present(self, keys):
+        """{key: stored bytes} for those of ``keys`` that exist, unverified.
+
+        Asks about whole chunks at once and splits only a chunk where some key
+        is missing, so reading n keys of which m are missing takes about
+        n / CHUNK + m·log(CHUNK) round trips, not n."""
+        keys = list(keys)
+        blobs = {}
+        for i in range(0, len(keys), _CHUNK):
+            self._read_chunk(keys[i:i + _CHUNK], blobs)
+        return blobs
+
+    def _read_chunk(self, keys, blobs):
+        if not keys:
+            return
+        self.requests += 1
+        if self.raw.check(keys):
+            self.requests += 1
+            got = self.raw.multi_get(keys) if len(keys) > 1 else [self.raw.get(keys[0])]
+            for k, b in zip(keys, got):
+                blobs[k] = bytes(b)
+                self.bytes_read += len(blobs[k])
+        elif len(keys) > _SMALL_CHUNK:
+            half = len(keys) // 2
+            self._read_chunk(keys[:half], blobs)
+            self._read_chunk(keys[half:], blobs)
+        elif len(keys) > 1:
+            for key in keys:           # few left: one look each beats halving further
+                self._read_chunk([key], blobs)
+
+    def has(self, key):
+        return self.get(key) is not None
+
+    def keys(self):
+        """Every key under the job's namespace (what any client can list too)."""
+        return list(self.raw.list_keys())
+
+    def present(self, key):
+        """Whether anything at all is stored under ``key`` (verified or not)."""
+        self.requests += 1
+        return self.raw.check([key])
+
+    def heal(self):
+        """Put back every kept value that is missing or was overwritten."""
+        kept = list(self._kept.items())
+        if not kept:
+            return 0
+        now = self.raw_present(k for k, _ in kept)
+        healed = 0
+        for key, blob in kept:
+            if now.get(key) != blob:
+                self.requests += 1
+                self.raw.set(key, blob)
+                healed += 1
+        return healed
+
+    def _verify(self, key, blob):
+        if not blob:
+            return None
+        try:
+            seq, payload = self.sealer.open(key, blob)
+            value = json.loads(payload)
+        except (Rejected, ValueError) as exc:
+            self.rejected(key, str(exc) if isinstance(exc, Rejected) else "payload is not JSON")
+            return None
+        highest = self._highest.get(key, 0)
+        if seq < highest:
+            self.rejected(key, "an older value replayed")
+            return None
+        if seq > highest:
+            if len(self._highest) >= _REPLAY_MEMORY:
+                for old in list(self._highest)[:_REPLAY_MEMORY // 2]:
+                    del self._highest[old]
+            self._highest[key] = seq
+        return value
+
+
+class Doorbell:
+    """Who says they just wrote a sealed key: an unsealed, append-only list of names.
+
+    Writers append their name after putting their sealed value, so the reader
+    verifies only the keys of the names that are new since its last look instead
+    of asking about every key it still waits for. Names are never trusted: each is
+    checked against its sealed key. An outsider can ring false names (they fail
+    verification) or wipe the list (the reader's slow full look, every few
+    seconds, still finds every sealed key)."""
+
+    def __init__(self, store: ControlStore, key: str):
+        self.store, self.key = store, key
+        self._offset = 0
+
+    def ring(self, name: str) -> None:
+        self.store.requests += 1
+        self.store.raw.append(self.key, f"{name}\n".encode())
+
+    def new_names(self) -> list:
+        """Names rung since the last call (all of them again if the list was rewritten)."""
+        if not self.store.present(self.key):
+            self._offset = 0
+            return []
+        self.store.requests += 1
+        blob = bytes(self.store.raw.get(self.key))
+        self.store.bytes_read += len(blob)
+        if len(blob) < self._offset:
+            self._offset = 0
+        end = blob.rfind(b"\n") + 1
+        if end <= self._offset:
+            return []
+        fresh, self._offset = blob[self._offset:end], end
+        return [n for n in fresh.decode("ascii", "replace").split("\n") if 0 < len(n) <= 64]
+
+
