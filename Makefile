@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install ssh-server test test-fast demo bench gpu-check soak lint clean
+.PHONY: install ssh-server test test-fast demo bench scale gpu-check soak lint clean
 
 install: $(STAMP) ssh-server
 
@@ -43,6 +43,12 @@ demo: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py
+
+# The real driver against 256, 1,024 and 4,096 simulated workers (not part of `make test`,
+# which runs a 12-worker version: tests/test_scale.py), then the driver's decisions alone.
+scale: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/scale.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/decide_bench.py
 
 # The GPU path on a lent GPU machine: one prepared run of at most 5 minutes.
 gpu-check: install

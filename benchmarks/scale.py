@@ -135,6 +135,10 @@ class Run:
         rounds = [e for e in self.events() if e["event"] == "round_started"]
         return rounds[-1] if rounds else None
 
+    def sim_cpu(self):
+        """CPU seconds the simulated processes used so far, together."""
+        return sum(cpu_seconds(p.pid) for p in self.sims if p.is_alive())
+
     def driver_stats(self):
         with open(self.stats_file) as f:
             return json.load(f)
@@ -193,11 +197,15 @@ def measure(n, steady_s=10.0, timeout=None, processes=None):
 
             def change(what, size, act):
                 nonlocal last
-                t = time.monotonic()
+                t, sims, driver = time.monotonic(), run.sim_cpu(), cpu_seconds(run.driver.pid)
                 act()
                 event, seen = run.wait_assembled(size, last, timeout)
                 out[f"{what}_s"] = seen - t
                 out[f"{what}_assembly_s"] = event["seconds"]
+                # On a cluster each worker's part runs on its own machine; here all of
+                # them share this machine's cores with the driver.
+                out[f"{what}_sim_cpu_s"] = run.sim_cpu() - sims
+                out[f"{what}_driver_cpu_s"] = cpu_seconds(run.driver.pid) - driver
                 time.sleep(COMMIT_S * 4)             # the last joins are reported
                 out[f"{what}_joins"] = _join_costs(run.worker_stats()["joins"], event["round"])
                 last = event["round"]
@@ -234,6 +242,16 @@ def _whole_plan_bytes(members):
     return len(json.dumps({"round": 1, "members": full}, sort_keys=True))
 
 
+def print_cpu_table(rows):
+    print("| N | change | change → assembled | of which the round's assembly | CPU used "
+          "meanwhile: driver / simulated workers (cores: " f"{os.cpu_count()}) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        for what in ("join", "leave", "crash"):
+            print(f"| {r['n']} | {what} | {r[what + '_s']:.2f} s | {r[what + '_assembly_s']:.2f} s "
+                  f"| {r[what + '_driver_cpu_s']:.2f} s / {r[what + '_sim_cpu_s']:.2f} s |")
+
+
 def print_table(rows):
     print("| N | join → assembled | leave → assembled | crash → assembled | driver CPU, "
           "steady | store requests/s, steady | bytes read per worker per round (median / "
@@ -258,6 +276,8 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         rows.append(row)
     print_table(rows)
+    print()
+    print_cpu_table(rows)
     return 0
 
 

@@ -197,8 +197,13 @@ class SimProcess:
             elif op in ("kill", "crash"):
                 event = self.killed.get(command[1])
                 if event is not None and not event.is_set():
+                    # The process is gone at once, as after a signal: its thread only
+                    # notices at its next wake-up and stays silent then.
                     self.codes[command[1]] = KILLED if op == "kill" else CRASHED
                     event.set()
+                    with self.lock:
+                        self.ended.add(command[1])
+                    self.exits.put((command[1], self.codes[command[1]]))
             elif op == "stats":
                 self.reports.put(self.stats())
             elif op == "quit":
@@ -250,8 +255,7 @@ class SimProcess:
                 except Exception:  # noqa: BLE001 - as the real thread: 3 in a row end it
                     failures[wid] = failures.get(wid, 0) + 1
                     if failures[wid] >= 3:
-                        self.codes[wid] = CRASHED
-                        self.killed[wid].set()
+                        self.commands.put(("crash", wid))
             time.sleep(max(0.0, interval - (time.monotonic() - began)))
 
     def run_worker(self, worker_id, w, killed):
@@ -279,7 +283,7 @@ class SimProcess:
         finally:
             w.stop()
         if killed.is_set():
-            code = self.codes.get(worker_id, KILLED)
+            return                  # its exit was reported when it was killed
         with self.lock:
             self.ended.add(worker_id)
         self.exits.put((worker_id, code))

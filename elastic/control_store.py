@@ -134,7 +134,10 @@ class ControlStore:
         if not self.raw.check([key]):
             return None
         self.requests += 1
-        blob = bytes(self.raw.get(key))
+        try:
+            blob = bytes(self.raw.get(key))
+        except dist.DistStoreError:
+            return None      # deleted between the check and the read (after one timeout)
         self.bytes_read += len(blob)
         return self._verify(key, blob)
 
@@ -171,7 +174,10 @@ class ControlStore:
         self.requests += 1
         if self.raw.check(keys):
             self.requests += 1
-            got = self.raw.multi_get(keys) if len(keys) > 1 else [self.raw.get(keys[0])]
+            try:
+                got = self.raw.multi_get(keys) if len(keys) > 1 else [self.raw.get(keys[0])]
+            except dist.DistStoreError:
+                return       # deleted between the check and the read (after one timeout)
             for k, b in zip(keys, got):
                 blobs[k] = bytes(b)
                 self.bytes_read += len(blobs[k])

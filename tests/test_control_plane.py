@@ -138,15 +138,18 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
         assert eventually(lambda r=r: plane.assembly(r), 2) == 2
     worker.put(Keys.heartbeat("1"), {"beat": 1})
     plane.worker_gone("1")
+    assert eventually(lambda: worker.present(Keys.heartbeat("1")), True)
+    for r in range(ROUND_KEYS_KEPT + 3, 2 * ROUND_KEYS_KEPT + 4):   # its keys go later
+        plane.publish(r, members)
     old = [Keys.plan(1), Keys.member(1, "0"), Keys.joined(1, "1"), Keys.assembled(2),
            Keys.heartbeat("1")]
     deadline = time.monotonic() + 30
     while any(worker.present(k) for k in old) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(worker.present(k) for k in old)
-    r = ROUND_KEYS_KEPT + 2                     # the newest rounds are all still there
+    r = 2 * ROUND_KEYS_KEPT + 3                 # the newest rounds are all still there
     assert eventually(lambda: worker.get(Keys.LATEST_ROUND), {"round": r}) == {"round": r}
-    assert worker.get(Keys.plan(r))["size"] == 2 and worker.has(Keys.member(3, "1"))
+    assert worker.get(Keys.plan(r))["size"] == 2 and worker.has(Keys.member(r - 1, "1"))
 
 
 def test_a_wiped_doorbell_only_delays_an_arrival_to_the_next_full_look():

@@ -67,7 +67,8 @@ class DriverControl:
         self._unreachable_warned = set()
         self._announced = False
         self._assembling = {}     # round id -> (member ids not arrived yet, all member ids)
-        self._history = collections.deque()    # (round id, member ids) of recent rounds
+        self._history = collections.deque()    # (round id, member ids, reaped) of recent rounds
+        self._reaped = []          # workers reaped since the last publish
         self._registered = control.Doorbell(self.store, Keys.REGISTERED)
         self._bells = {}           # round id -> Doorbell of its arrivals
         self._full_looks = {}      # what was last looked at in full, and when
@@ -121,9 +122,14 @@ class DriverControl:
             self._settle(old, False)       # replaced (the driver aborted it already)
         self._assembling[round_id] = (set(ids), ids)
         self._full_looks[("arrivals", round_id)] = time.monotonic()   # the bell comes first
-        self._history.append((round_id, ids))
+        self._history.append((round_id, ids, self._reaped))
+        self._reaped = []
         while len(self._history) > ROUND_KEYS_KEPT:
-            self._janitor.drop(self._round_keys(*self._history.popleft()))
+            old_round, old_ids, reaped = self._history.popleft()
+            self._janitor.drop(self._round_keys(old_round, old_ids))
+            for wid in reaped:          # gone for ROUND_KEYS_KEPT rounds: nobody reads them
+                self._janitor.drop([Keys.ready(wid), Keys.heartbeat(wid), Keys.done(wid),
+                                    Keys.progress(wid), Keys.leaving(wid)])
         self.store.forget(Keys.plan(round_id - 1))
         self.store.forget(Keys.assembled(round_id - ASSEMBLED_KEPT))
 
@@ -169,10 +175,10 @@ class DriverControl:
         return keys
 
     def worker_gone(self, worker_id):
-        """A worker's process exited and was reaped: its own keys can go."""
-        self._janitor.drop([Keys.ready(worker_id), Keys.heartbeat(worker_id),
-                            Keys.done(worker_id), Keys.progress(worker_id),
-                            Keys.leaving(worker_id)])
+        """A worker's process exited and was reaped: its own keys go with the keys of
+        the round published next (the progress line may still read them until then;
+        a key deleted between a check and a read would stall that read)."""
+        self._reaped.append(worker_id)
 
     def ready(self, worker_ids, now=None):
         """Those of ``worker_ids`` whose sealed registration is in the store (looking

@@ -52,6 +52,9 @@ class Membership:
         os.environ.update(self.env())
 
 
+SELF_ASSEMBLY_MAX = 64      # rounds up to this size: members also see each other arrive
+
+
 class Worker:
     """One process of an elasticrun job."""
 
@@ -264,19 +267,26 @@ class Worker:
         if me is None:
             return None       # an outsider removed it: the driver puts it back
         try:
-            return self._enter(round_id, plan["size"], me, deadline)
+            return self._enter(round_id, plan, me, deadline)
         finally:   # the driver has read our arrival, or the round is over
             self.control.forget(Keys.joined(round_id, self.worker_id))
 
-    def _assemble(self, round_id, size, deadline):
+    def _assemble(self, round_id, size, deadline, member_ids=None):
         """Put our sealed arrival and wait for the driver's word that every member
-        arrived; False if the round was aborted or replaced first."""
+        arrived; False if the round was aborted or replaced first.
+
+        In a small round (``member_ids`` given) the members' arrivals are also
+        looked at directly, which saves the driver's tick on the way (the pause
+        of a 4-worker job); in a big one that would be O(n) per look per worker."""
+        keys = [Keys.joined(round_id, w) for w in member_ids or ()]
         self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
         control.Doorbell(self.control, Keys.arrivals(round_id)).ring(self.worker_id)
         began = time.monotonic()
         self.progress.begin_wait(f"round {round_id} assembly", round_id)
         looked = began
         while True:
+            if keys and len(self.control.get_present(keys)) == len(keys):
+                return True
             outcome = self.control.get(Keys.assembled(round_id))
             if outcome is not None:
                 return bool(outcome["ok"])
@@ -306,8 +316,10 @@ class Worker:
             self._healed_at = now
             self.control.heal()
 
-    def _enter(self, round_id, size, me, deadline):
-        if not self._assemble(round_id, size, deadline):
+    def _enter(self, round_id, plan, me, deadline):
+        size = plan["size"]
+        small = control.decode_ids(plan["ids"]) if size <= SELF_ASSEMBLY_MAX else None
+        if not self._assemble(round_id, size, deadline, small):
             return False
         self.round_id = round_id
         self.membership = Membership(
