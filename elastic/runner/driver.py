@@ -307,10 +307,11 @@ class Driver:
         return Observed(exits, checked, reports, joined, waiting)
 
     def _heartbeat_check_s(self):
-        """Heartbeats are read every HEARTBEAT_CHECK_S, less often in a big job (a
-        second at 4,096 workers): each read verifies every worker's beat, and a hang is
-        only called after --worker-timeout anyway (exits are seen on every tick)."""
-        return min(max(HEARTBEAT_CHECK_S, len(self.workers) / 4096),
+        """Heartbeats are read every HEARTBEAT_CHECK_S, less often in a big job (2 s
+        at 4,096 workers, at most a tenth of --worker-timeout): each read verifies
+        every worker's beat, and a hang is only called after --worker-timeout anyway
+        (exits are seen on every tick)."""
+        return min(max(HEARTBEAT_CHECK_S, len(self.workers) / 2048),
                    max(HEARTBEAT_CHECK_S, self.cfg.worker_timeout / 10))
 
     def _assembly(self, job, now):
