@@ -58,6 +58,16 @@ def test_get_present_reads_many_keys_in_few_round_trips(store):
     assert cs.requests - before < 300, cs.requests - before
 
 
+def _driver_and_worker(n):
+    """A driver's control plane, a worker's connection to it, and n members on one host."""
+    secret = secrets.token_hex(16)
+    plane = DriverControl({"localhost": n}, {"localhost"}, secret)
+    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
+    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": n, "local_rank": i,
+                "local_size": n, "cross_rank": 0, "cross_size": 1} for i in range(n)]
+    return plane, worker, members
+
+
 def _arrive(worker_store, round_id, wid, ring=True):
     """What a member does: its sealed arrival, then the round's doorbell."""
     worker_store.put(Keys.joined(round_id, wid), {"round": round_id})
@@ -79,11 +89,7 @@ def eventually(read, want, timeout=30.0):
 
 
 def test_the_driver_says_assembled_once_every_member_arrived():
-    secret = secrets.token_hex(16)
-    plane = DriverControl({"localhost": 3}, {"localhost"}, secret)
-    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
-    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 3, "local_rank": i,
-                "local_size": 3, "cross_rank": 0, "cross_size": 1} for i in range(3)]
+    plane, worker, members = _driver_and_worker(3)
     plane.publish(1, members)
     assert eventually(lambda: worker.get(Keys.LATEST_ROUND), {"round": 1}) == {"round": 1}
     header = worker.get(Keys.plan(1))
@@ -102,11 +108,7 @@ def test_the_driver_says_assembled_once_every_member_arrived():
 
 
 def test_an_abort_before_assembly_releases_the_waiting_members():
-    secret = secrets.token_hex(16)
-    plane = DriverControl({"localhost": 2}, {"localhost"}, secret)
-    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
-    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 2, "local_rank": i,
-                "local_size": 2, "cross_rank": 0, "cross_size": 1} for i in range(2)]
+    plane, worker, members = _driver_and_worker(2)
     plane.publish(1, members)
     _arrive(worker, 1, "0")
     assert eventually(lambda: plane.assembly(1), 1) == 1
@@ -126,11 +128,7 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
     import time
 
     from elastic.runner.control_plane import ROUND_KEYS_KEPT
-    secret = secrets.token_hex(16)
-    plane = DriverControl({"localhost": 2}, {"localhost"}, secret)
-    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
-    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 2, "local_rank": i,
-                "local_size": 2, "cross_rank": 0, "cross_size": 1} for i in range(2)]
+    plane, worker, members = _driver_and_worker(2)
     for r in range(1, ROUND_KEYS_KEPT + 3):
         plane.publish(r, members)
         for m in members:
@@ -154,11 +152,7 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
 
 def test_a_wiped_doorbell_only_delays_an_arrival_to_the_next_full_look():
     from elastic.runner.control_plane import FULL_LOOK_S
-    secret = secrets.token_hex(16)
-    plane = DriverControl({"localhost": 2}, {"localhost"}, secret)
-    worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
-    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": 2, "local_rank": i,
-                "local_size": 2, "cross_rank": 0, "cross_size": 1} for i in range(2)]
+    plane, worker, members = _driver_and_worker(2)
     plane.publish(1, members)
     t = 1e9                                        # the driver's clock, given explicitly
     _arrive(worker, 1, "0")
