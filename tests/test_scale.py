@@ -14,6 +14,9 @@ def test_the_simulated_cluster_goes_through_a_join_a_leave_and_a_crash():
     for change, size in (("join", 13), ("leave", 12), ("crash", 11)):
         joins = row[f"{change}_joins"]
         assert joins is not None and joins["workers"] == size, (change, joins)
-        # Each member read something to join, and far less than the whole plan.
-        assert 0 < joins["bytes_median"] < row["plan_bytes_before"] * 2, (change, joins)
+        # Each member read something to join, one small key per look: a look never
+        # reads anything like the whole plan (how many looks depends on the load).
+        assert joins["bytes_median"] > 0 and joins["requests_median"] > 0, (change, joins)
+        per_look = joins["bytes_median"] / joins["requests_median"]
+        assert per_look < row["plan_bytes_before"] / 2, (change, joins, row["plan_bytes_before"])
     assert row["store_rps"] > 0 and row["driver_cpu"] > 0
