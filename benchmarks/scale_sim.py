@@ -218,7 +218,9 @@ class SimProcess:
             for _ in range(STARTERS):
                 threading.Thread(target=self.start_workers, daemon=True,
                                  name="sim-starter").start()
-            threading.Thread(target=self.beat, daemon=True, name="sim-heartbeat").start()
+            interval = float(env.get(protocol.ENV_HEARTBEAT_INTERVAL, 1.0))
+            threading.Thread(target=self.beat, args=(interval,), daemon=True,
+                             name="sim-heartbeat").start()
         self.killed[worker_id] = threading.Event()
         self.starting.put((worker_id, env))
 
@@ -238,9 +240,10 @@ class SimProcess:
             threading.Thread(target=self.run_worker, args=(worker_id, w, killed), daemon=True,
                              name=f"sim-{worker_id}").start()
 
-    def beat(self, interval=1.0):
+    def beat(self, interval):
         """Every live worker's heartbeat, each on its own connection as the real
-        thread does, from one thread: a thread per worker would starve this machine."""
+        thread does, from one thread: a thread per worker would starve this machine.
+        ``interval``: what the driver told the first worker (it slows beats in a big job)."""
         beat, failures = 0, {}
         while True:
             beat += 1

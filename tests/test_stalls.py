@@ -203,3 +203,16 @@ def test_a_newcomer_waiting_for_round_n_follows_round_n_plus_1(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_beats_and_reads_slow_down_in_a_big_job_but_stay_within_a_tenth_of_the_timeout():
+    from elastic.runner.stalls import heartbeat_interval, heartbeat_read_interval
+    # Small jobs: every second, read every half second (what every other test runs).
+    assert heartbeat_interval(4, 30) == 1.0 and heartbeat_read_interval(4, 30) == 0.5
+    assert heartbeat_interval(4, 30, base=0.2) == 0.2
+    # 4,096 workers: the store serves about 2,048 beats a second, not 4,096.
+    assert heartbeat_interval(4096, 30) == 2.0 and heartbeat_read_interval(4096, 30) == 2.0
+    assert 4096 / heartbeat_interval(4096, 30) <= 2048
+    # A short --worker-timeout wins over the job's size: a hang is still called in time.
+    assert heartbeat_interval(4096, 6) == 1.0 and heartbeat_read_interval(4096, 6) == 0.6
+    assert heartbeat_interval(100_000, 120) == 12.0

@@ -48,11 +48,10 @@ from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
 from elastic.runner.policy import can_skip, decide
-from elastic.runner.stalls import Liveness
+from elastic.runner.stalls import Liveness, heartbeat_interval, heartbeat_read_interval
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05
-HEARTBEAT_CHECK_S = 0.5     # heartbeats are read this often
 ABORTS_KEPT = 3             # aborts of this many recent rounds are kept in place
 
 
@@ -265,7 +264,7 @@ class Driver:
 
     def _observe(self, now):
         """This tick's observations: exits, registrations, heartbeats (every
-        HEARTBEAT_CHECK_S), failure reports and the current round's assembly."""
+        stalls.heartbeat_read_interval), failure reports and the current round's assembly."""
         exits = []
         ended = [(wid, w, code) for wid, w in self.workers.items()
                  if (code := w.proc.poll()) is not None]
@@ -307,12 +306,7 @@ class Driver:
         return Observed(exits, checked, reports, joined, waiting)
 
     def _heartbeat_check_s(self):
-        """Heartbeats are read every HEARTBEAT_CHECK_S, less often in a big job (2 s
-        at 4,096 workers, at most a tenth of --worker-timeout): each read verifies
-        every worker's beat, and a hang is only called after --worker-timeout anyway
-        (exits are seen on every tick)."""
-        return min(max(HEARTBEAT_CHECK_S, len(self.workers) / 2048),
-                   max(HEARTBEAT_CHECK_S, self.cfg.worker_timeout / 10))
+        return heartbeat_read_interval(len(self.workers), self.cfg.worker_timeout)
 
     def _assembly(self, job, now):
         """Members of the current round that arrived (all of them once it assembled)."""
@@ -421,6 +415,11 @@ class Driver:
             while w.proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
 
+    def _beat_interval(self):
+        """The configured interval, slowed down for the job's size (stalls.heartbeat_interval)."""
+        size = max(len(self.workers) + 1, self.cfg.np or 0)
+        return heartbeat_interval(size, self.cfg.worker_timeout, self.cfg.heartbeat_interval)
+
     def _launch(self, wid, host, assignment):
         env = dict(self.cfg.extra_env)     # what the job sets; our own environment is added below
         env.update({
@@ -430,7 +429,7 @@ class Driver:
             "PYTHONUNBUFFERED": "1",
             control.ENV_ROUND_TIMEOUT: str(max(self.cfg.elastic_timeout,
                                                self.cfg.stall_timeout) + 120),
-            control.ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval),
+            control.ENV_HEARTBEAT_INTERVAL: str(self._beat_interval()),
         })
         env.update(control.membership_env(assignment, host))
         if control.ENV_COLLECTIVE_TIMEOUT not in os.environ:

@@ -75,6 +75,25 @@ class StallView:
     rounds: set = field(default_factory=set)     # live rounds it is a member of
 
 
+BEAT_S = 1.0          # a worker's heartbeat interval in a job of up to 2,048 workers
+READ_BEATS_S = 0.5    # how often the driver reads them then
+BEATS_PER_S = 2048    # ... beyond which both slow down, so the store serves about this many
+
+
+def heartbeat_interval(workers, worker_timeout, base=BEAT_S):
+    """Seconds between one worker's beats: ``base``, slower in a big job (2 s at 4,096
+    workers: every beat is a store request the driver's process serves), but never
+    slower than a tenth of --worker-timeout, after which a silent worker is evicted."""
+    return max(base, min(workers / BEATS_PER_S, worker_timeout / 10))
+
+
+def heartbeat_read_interval(workers, worker_timeout):
+    """Seconds between the driver's reads of every beat (each verifies n seals): READ_BEATS_S,
+    slower in a big job, at most a tenth of --worker-timeout (exits are seen every tick)."""
+    return min(max(READ_BEATS_S, workers / BEATS_PER_S),
+               max(READ_BEATS_S, worker_timeout / 10))
+
+
 def warn_after(stall_timeout):
     return min(stall_timeout / 2.0, WARN_AT_MOST_S)
 
