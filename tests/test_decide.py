@@ -266,6 +266,19 @@ def test_a_silent_worker_is_evicted_and_its_host_blacklisted():
                            Stop("1"), Abort(1)]
 
 
+def test_a_ready_worker_whose_beats_never_reached_the_driver_is_still_evicted():
+    # Its beats were overwritten before any was read (or it hung right after registering):
+    # the ready key is its last sign of life, and --worker-timeout runs from there.
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1, worker_timeout=5))
+    world.running()
+    world.ready("0", at=9.0)
+    world.ready("1", beats=0, at=3.0)
+    assert world.tick(7.5, liveness=True) == []
+    actions = world.tick(8.5, liveness=True)
+    assert actions[:3] == [Stop("1"), Evict("1", "b"),
+                           HostFailed("1", "b", "worker 1 on b sent no heartbeat for 5 s; evicted")]
+
+
 def test_a_worker_that_never_starts_is_evicted_after_the_startup_timeout():
     limits = Limits(np=1, min_np=1, worker_timeout=1)
     world = World({"a": 1}, limits)

@@ -281,6 +281,7 @@ class Driver:
         for wid in (self.plane.ready(self._unready, now) if self._unready else ()):
             w = self.workers[wid]
             w.ready = True
+            w.heartbeat_at = max(w.heartbeat_at, now)   # its sealed ready key: alive now
             self._unready.discard(wid)
             self._newly_ready += 1
             log.debug("worker %s on %s is ready", w.worker_id, w.host)

@@ -338,7 +338,9 @@ class _Tick:
             elif (not w.beats and not w.ready and self.job.round_id
                     and self.now - w.started > limits.startup_timeout):
                 why = f"did not start within {limits.startup_timeout:.0f} s"
-            elif w.beats and self.now - w.heartbeat_at > limits.worker_timeout:
+            elif (w.beats or w.ready) and self.now - w.heartbeat_at > limits.worker_timeout:
+                # Ready counts as a beat: a worker whose every beat was lost or overwritten
+                # before the driver read one would otherwise only be caught as a stall.
                 why = f"sent no heartbeat for {limits.worker_timeout:.0f} s"
             else:
                 continue

@@ -75,14 +75,23 @@ class Heartbeat(threading.Thread):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._conn = None
+        self._beat = 0
+
+    def first_beat(self):
+        """Connect and beat once before the worker registers: the driver's heartbeat
+        deadline runs from the moment it sees the worker ready."""
+        try:
+            self._beat += 1
+            self.send(self._beat)
+        except Exception:  # noqa: BLE001 - the thread retries (and gives up) as usual
+            self._conn = None
 
     def run(self):
         failures = 0
-        beat = 0
         while not self._stop.is_set():
             try:
-                beat += 1
-                self.send(beat)
+                self._beat += 1
+                self.send(self._beat)
                 failures = 0
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
                 failures += 1

@@ -97,6 +97,7 @@ class Worker:
         self._leaving = LeavingReport(self)
         self.heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0, env))
         if self.beats_on_own_thread:
+            self.heartbeat.first_beat()
             self.heartbeat.start()
 
     def new_control_connection(self, timeout=None):
