@@ -138,8 +138,22 @@ def test_start_with_fewer_ready_workers_than_min_np_is_a_shortage():
     world = World({"a": 2}, Limits(np=2, min_np=2, elastic_timeout=100))
     world.tick(0.0)
     world.ready("0")
-    world.workers["1"] = _replace(world.workers["1"], started=-JOIN_BATCH_S)  # gave up waiting
-    assert world.tick(1.0) == [MarkShort(1.0)]
+    world.workers["1"] = _replace(world.workers["1"], started=-JOIN_BATCH_S)  # still waited for
+    assert world.tick(1.0) == []
+    world.workers["1"] = _replace(world.workers["1"], started=-Limits().startup_timeout)
+    assert world.tick(1.0) == [MarkShort(1.0)]                              # gave up waiting
+
+
+def test_the_start_waits_for_every_slow_starter_up_to_the_start_timeout():
+    # -np 4 starts 4, however long torch takes to import on a loaded node, until the
+    # slow one would be evicted anyway; newcomers in a running job wait JOIN_BATCH_S only.
+    world = World({"a": 4}, Limits(np=4, min_np=2))
+    world.tick(0.0)
+    world.ready("0", "1", "2")
+    assert world.tick(JOIN_BATCH_S + 1) == []
+    world.ready("3")
+    (publish,) = world.tick(JOIN_BATCH_S + 2)
+    assert isinstance(publish, Publish) and len(publish.members) == 4
 
 
 def test_start_below_min_np_slots_after_spawning_is_a_shortage():

@@ -406,8 +406,10 @@ class _Tick:
         if job.phase is Phase.STARTING:
             if n_wanted < limits.min_np:
                 self.check_short(n_wanted, limits.min_np, "to start")
-            elif self.any_starting():
-                return   # slots exist; workers are importing torch, which is not a shortage
+            elif self.any_starting(limits.startup_timeout):
+                # Slots exist; workers are importing torch, which is not a shortage. The
+                # start waits for all of them (nobody trains yet), up to --start-timeout.
+                return
             elif len(target) < limits.min_np:
                 self.check_short(len(target), limits.min_np, "to start")
             else:
@@ -427,10 +429,10 @@ class _Tick:
             return   # batch newcomers that are still starting up
         self.publish(target)
 
-    def any_starting(self):
+    def any_starting(self, waited_at_most=JOIN_BATCH_S):
         """A newcomer is still importing torch (and has not been waited for too long)."""
         now = self.now
-        return any(not w.ready and not w.stopped and now - w.started < JOIN_BATCH_S
+        return any(not w.ready and not w.stopped and now - w.started < waited_at_most
                    for w in self.workers.values())
 
     def ready_are_members(self, slots, ready):
