@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +118,37 @@ def base_env():
     return env
 
 
+def publish_round(cs, round_id, worker_ids):
+    """What the driver does for one single-host round (as tests/harness.py): a member entry
+    each, the round header, the announcement, and ``assembled`` once all have arrived."""
+    from elastic import protocol as control
+    from elastic.protocol import Keys
+
+    n = len(worker_ids)
+    members = [{"worker_id": wid, "host": "localhost", "rank": r, "local_rank": r,
+                "local_size": n, "cross_rank": 0, "cross_size": 1}
+               for r, wid in enumerate(worker_ids)]
+    cs.put_many({Keys.member(round_id, m["worker_id"]): m for m in members})
+    cs.put(Keys.plan(round_id), {"round": round_id, "size": n,
+                                 "ids": control.encode_ids(worker_ids)})
+    cs.put(Keys.LATEST_ROUND, {"round": round_id})
+
+    def assembled():
+        keys = [Keys.joined(round_id, wid) for wid in worker_ids]
+        try:
+            while True:
+                if len(cs.get_present(keys)) == len(keys):
+                    cs.put(Keys.assembled(round_id), {"round": round_id, "ok": True})
+                    return
+                latest = cs.get(Keys.LATEST_ROUND)
+                if latest is not None and latest["round"] > round_id:
+                    return
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - the store went away
+            return
+    threading.Thread(target=assembled, daemon=True, name="bench-assembly").start()
+
+
 def launch(script, n, args=(), timeout=240, env=None):
     """Run n copies of `script` as round 1 of a job; returns each rank's result JSON.
 
@@ -124,15 +156,12 @@ def launch(script, n, args=(), timeout=240, env=None):
     workers' stderr; past `timeout` every worker is killed.
     """
     from elastic import protocol as control
-    from elastic.protocol import ControlStore, Keys
+    from elastic.protocol import ControlStore
 
     port, secret = free_port(), secrets.token_hex(16)
     store = control.connect("127.0.0.1", port, timeout, is_master=True)
     cs = ControlStore(store, secret)
-    members = [{"worker_id": f"b{r}", "host": "localhost", "rank": r, "local_rank": r,
-                "local_size": n, "cross_rank": 0, "cross_size": 1} for r in range(n)]
-    cs.put(Keys.plan(1), {"round": 1, "members": members})
-    cs.put(Keys.LATEST_ROUND, {"round": 1})
+    publish_round(cs, 1, [f"b{r}" for r in range(n)])
     with tempfile.TemporaryDirectory(prefix="bench-") as out:
         full_env = base_env()
         full_env.update({control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(port),
