@@ -12,6 +12,7 @@ Modes:
 
 import gc
 import os
+import resource
 import sys
 import time
 from datetime import timedelta
@@ -141,6 +142,15 @@ def one_step(model, opt, kind):
     opt.step()
 
 
+RAW_CPU = {True: [], False: []}   # the receiver's CPU seconds per raw broadcast, by ``fresh``
+
+
+def cpu_s():
+    """This process's user + system CPU seconds (page faults show up as system time)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def raw_broadcast_s(buf, fresh=False):
     """A plain gloo broadcast on the round's group, root 0, timed where it is received
     (on every rank; the last rank is the one reported).
@@ -152,11 +162,13 @@ def raw_broadcast_s(buf, fresh=False):
     o.rootRank, o.rootTensor = 0, 0
     gc.collect()
     elastic.barrier()
-    t0 = now()
+    t0, c0 = now(), cpu_s()
     if fresh and elastic.rank() != 0:
         buf = torch.empty_like(buf)
     w.cpu_group.broadcast([buf], o).wait()
-    return now() - t0
+    dt = now() - t0
+    RAW_CPU[fresh].append(cpu_s() - c0)
+    return dt
 
 
 def newcomer_sync_s(state, make_fresh, phases, newcomers=None):
@@ -169,10 +181,15 @@ def newcomer_sync_s(state, make_fresh, phases, newcomers=None):
     gc.collect()
     elastic.barrier()
     phases.take()
-    t0 = now()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0, c0 = now(), cpu_s()
     state.sync()
     dt = now() - t0
-    return state, dt, phases.take()
+    ph = phases.take()
+    ph["cpu"] = cpu_s() - c0
+    ph["minflt"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0   # page faults
+    ph["received_into"] = state.sync_stats.get("received_into")
+    return state, dt, ph
 
 
 def sync(res, o):
@@ -233,6 +250,7 @@ def sync(res, o):
         mine.commit()
         commit_s.append(now() - t0)
     res["sync"] = {"bytes": nbytes, "sync_s": by_k[ks[0]], "by_k": by_k, "sent": sent,
+                   "bcast_cpu_s": RAW_CPU[False][1:], "bcast_fresh_cpu_s": RAW_CPU[True],
                    "bcast_s": bcast_s, "phases": parts, "bcast_fresh_s": fresh_s,
                    "noop_moved_bytes": moved, "noop_sync_s": noop_s, "commit_s": commit_s,
                    "stats": mine.sync_stats}

@@ -219,6 +219,14 @@ class Keys:
     STOP = "job/stop"
 
     @staticmethod
+    def state_spec(kind: str) -> str:
+        """Signed JSON {"flats": [[dtype, numel], ...]}: the flat buffers of the newest
+        commit's snapshot of a State class, put by rank 0 when they change, so that a
+        newcomer allocates and touches its receive buffers before it is admitted
+        (elastic/state/states.py, ``State._reserve_for_sync``)."""
+        return f"state/{kind}/spec"
+
+    @staticmethod
     def leaving(worker_id):
         """Set by a worker that got SIGTERM: it leaves at its next commit (preempted)."""
         return f"worker/{worker_id}/leaving"

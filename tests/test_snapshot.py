@@ -328,6 +328,42 @@ def test_receive_into_own_flats_when_layout_matches_else_new_ones():
     assert all(a is b for a, b in zip(other.flats(), flats))
 
 
+def test_receive_into_reserved_flats_when_their_specs_fit():
+    sender = Snapshot()
+    sender.save(_tree())
+    newcomer = Snapshot()
+    newcomer.reserve(sender.specs())
+    assert newcomer.empty and newcomer.reserved == sender.specs()
+    reserved = list(newcomer._reserve[1])
+    assert all(f.count_nonzero() == 0 for f in reserved)      # touched: written once
+    flats = newcomer.receive_buffers(sender.header())
+    assert all(a is b for a, b in zip(flats, reserved)) and newcomer.reserved is None
+    for dst, src in zip(flats, sender.flats()):
+        dst.copy_(src)
+    newcomer.install(sender.header(), flats)
+    assert newcomer.intact
+    assert_tree_equal(sender.materialize(), newcomer.materialize())
+    # A stale reserve (another layout) is not used, and stays until dropped.
+    stale = Snapshot()
+    stale.reserve([("torch.float32", 3)])
+    flats = stale.receive_buffers(sender.header())
+    assert stale.reserved == [("torch.float32", 3)]
+    assert [(str(f.dtype), f.numel()) for f in flats] == sender.specs()
+    stale.drop_reserve()
+    assert stale.reserved is None
+
+
+def test_first_save_takes_reserved_flats_of_its_layout():
+    ref = Snapshot()
+    ref.save(_tree())
+    snap = Snapshot()
+    snap.reserve(ref.specs())
+    reserved = list(snap._reserve[1])
+    snap.save(_tree())
+    assert all(a is b for a, b in zip(snap.flats(), reserved)) and snap.reserved is None
+    assert_tree_equal(snap.materialize(), _tree())
+
+
 def test_swapped_buffer_makes_flats_unavailable_until_reallocated():
     snap = Snapshot()
     snap.save(_tree())

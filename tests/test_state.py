@@ -277,6 +277,19 @@ def test_newcomer_gets_params_and_optimizer_state_without_nudging_root(gloo_run)
 
 
 @pytest.mark.slow
+def test_rollback_right_after_a_newcomer_sync_restores_the_synced_commit(gloo_run):
+    r0, r1 = gloo_run
+    # The newcomer received into the buffers it reserved (and touched) at construction.
+    assert r1["newcomer_before"]["stats"]["received_into"] is None
+    assert r1["newcomer_after"]["stats"]["received_into"] == "reserve"
+    for r in gloo_run:
+        for key in ("params", "opt", "sampler", "epoch", "batch"):
+            assert r["rollback_changed"][key] != r0["trained"][key], key
+            assert r["rollback_after_sync"][key] == r0["trained"][key], key
+        assert r["rollback_after_sync"]["version"] == r0["trained"]["version"]
+
+
+@pytest.mark.slow
 def test_restore_after_sync_returns_to_last_commit(gloo_run):
     for r in gloo_run:
         assert r["restore_after_sync"]["restored"] == r["restore_after_sync"]["committed"]

@@ -86,6 +86,7 @@ class Snapshot:
         self._layout = []     # per tensor: (dtype name, shape, offset in its dtype's flat)
         self._specs = []      # per flat: (dtype name, numel)
         self._sources = None  # per tensor: the live tensor it was saved from (see ``unchanged``)
+        self._reserve = None  # flats allocated and touched ahead of a sync (see ``reserve``)
 
     @property
     def empty(self):
@@ -154,6 +155,43 @@ class Snapshot:
     def nbytes(self):
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
+    def specs(self):
+        """Per flat buffer: (dtype name, numel), as ``reserve`` takes them."""
+        return [(d, int(n)) for d, n in self._specs]
+
+    # -- memory touched ahead of a sync ----------------------------------------------------------
+    def reserve(self, specs, pin=False):
+        """Allocate flats of ``specs`` [(dtype name, numel)] now and write every page.
+
+        A newcomer calls this before it is admitted (off everyone's critical path):
+        then its sync receives into memory in use instead of paying a page fault per
+        page while the bytes arrive (several times slower on a VM), and the first
+        ``receive_buffers`` or ``save`` whose flats have these specs takes them.
+        """
+        specs = [(str(d), int(n)) for d, n in specs]
+        if self._reserve is not None and self._reserve[0] == specs:
+            return
+        flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
+        for f in flats:
+            f.zero_()
+        self._reserve = (specs, flats)
+
+    @property
+    def reserved(self):
+        """The specs of the flats ``reserve`` holds, or None."""
+        return None if self._reserve is None else list(self._reserve[0])
+
+    def drop_reserve(self):
+        self._reserve = None
+
+    def _take_reserve(self, specs):
+        """The reserved flats if they have ``specs`` (then no longer reserved), else None."""
+        if self._reserve is None or self._reserve[0] != [(str(d), int(n)) for d, n in specs]:
+            return None
+        flats = self._reserve[1]
+        self._reserve = None
+        return flats
+
     # -- transfers ----------------------------------------------------------------------------
     def header(self, skeleton=None):
         """The bytes that describe ``flats()`` to a receiver (the format of ``pack``);
@@ -168,11 +206,15 @@ class Snapshot:
     def receive_buffers(self, header):
         """Flat buffers to receive a sender's ``header``/``flats()`` into: this snapshot's
         own when the layout matches and they are intact (the caller must own them: no
-        checkpoint writer reading them), otherwise new ones. Then ``install``."""
+        checkpoint writer reading them), else the reserved ones when they fit (memory
+        already touched: ``reserve``), otherwise new ones. Then ``install``."""
         meta = pickle.loads(header)
         if meta["layout"] == self._layout and meta["flats"] == self._specs and self.intact \
                 and self._flats:
             return list(self._flats)
+        reserved = self._take_reserve(meta["flats"])
+        if reserved is not None:
+            return list(reserved)
         pin = torch.cuda.is_available()   # received state goes on to a GPU: pin it too
         return [host_empty(n, _dtype(d), pin) for d, n in meta["flats"]]
 
@@ -195,7 +237,9 @@ class Snapshot:
         for d, shape, offset in layout:
             totals[d] = max(totals.get(d, 0), offset + _numel(shape))
         specs = list(totals.items())
-        flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
+        flats = self._take_reserve(specs)
+        if flats is None:
+            flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
         self._set_flats(layout, specs, flats)
 
     def _set_flats(self, layout, specs, flats):

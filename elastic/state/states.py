@@ -33,7 +33,10 @@ class State:
         self._reset_callbacks = []
         self._snapshot = Snapshot()
         self._version = _UNCOMMITTED
-        self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0}
+        self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0,
+                           "received_into": None}
+        self._published_specs = None
+        self._reserve_for_sync()
 
     # -- subclass hooks -----------------------------------------------------------
     def capture(self) -> dict:
@@ -90,6 +93,7 @@ class State:
         w = runtime.worker()
         if w is not None:
             w.progress.committed()
+            self._publish_specs(w)
         if self._checkpoint is not None:
             self._checkpoint.after_commit(self)
         self.check_host_updates()
@@ -135,6 +139,41 @@ class State:
         self._after_sync(max(newest, 0))
 
     # -- internals ------------------------------------------------------------------------------
+    def _reserve_for_sync(self):
+        """A newcomer builds its state before it registers, so before it is admitted:
+        the moment to allocate and touch the buffers its first sync will receive into,
+        with the flats rank 0 published at its last commit (``_publish_specs``). Then
+        that sync pays no page faults for the snapshot (received once, in memory in use).
+        Only when elastic is initialized and a spec was published (a job already
+        running); a stale spec is simply not used (``Snapshot.receive_buffers``)."""
+        if not runtime.is_initialized():
+            return
+        w = runtime.worker()
+        if w is None:
+            return
+        try:
+            spec = w.control.get(protocol.Keys.state_spec(type(self).__qualname__))
+            if spec and spec.get("flats"):
+                self._snapshot.reserve(spec["flats"], pin=torch.cuda.is_available())
+        except Exception:  # noqa: BLE001 - only an optimization: the sync allocates then
+            self._snapshot.drop_reserve()
+
+    def _publish_specs(self, w):
+        """Rank 0 puts its snapshot's flat specs in the control store when they change
+        (the first commits, a new layout): one small put, not one per commit."""
+        m = w.membership
+        if m is None or m.rank != 0:
+            return
+        specs = self._snapshot.specs()
+        if specs == self._published_specs:
+            return
+        try:
+            w.control.put(protocol.Keys.state_spec(type(self).__qualname__),
+                          {"flats": [list(x) for x in specs]})
+            self._published_specs = specs
+        except Exception:  # noqa: BLE001 - only an optimization for newcomers
+            pass
+
     def _remember_live(self):
         """The live state now equals the snapshot: a later sync may send the snapshot for it."""
         self._snapshot.remember(split(self.capture())[1])
@@ -143,6 +182,7 @@ class State:
         """Ranks that already held the newest commit keep their snapshot, and receivers
         received straight into theirs (``_receive``): no copy either way."""
         self._version = version
+        self._snapshot.drop_reserve()      # not needed (held the commit, or a new layout)
         if self._snapshot.empty:
             self.save()
 
@@ -177,10 +217,13 @@ class State:
         snap = self._snapshot
         if self._checkpoint is not None:
             self._checkpoint.before_save(self)   # never receive into what the writer reads
+        had_reserve = snap.reserved is not None
         flats = snap.receive_buffers(header)
         own = snap.flats()
         in_place = own is not None and len(own) == len(flats) and all(
             a is b for a, b in zip(own, flats))
+        self.sync_stats["received_into"] = "snapshot" if in_place else (
+            "reserve" if had_reserve and snap.reserved is None else "new")
         try:
             got, forwarded = run_blocking(
                 lambda: transfer.receive_and_forward(group, flats, rt, me), "state receive",

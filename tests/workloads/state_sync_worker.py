@@ -4,7 +4,9 @@ Runs every scenario in order and writes $STATE_OUT/rank<r>.json with digests and
 sync statistics; the test process compares the ranks. Phases:
   initial    every rank seeds its model differently, then syncs from version -1
   newcomer   after 3 joint steps + commits, rank 1 starts over (fresh model,
-             empty AdamW state, version -1) and syncs
+             empty AdamW state, version -1) and syncs, receiving into the buffers it
+             reserved at construction from rank 0's published spec; then every rank
+             changes its live state locally and rolls back (a crash right after the sync)
   noop       all ranks at the same commit: a sync moves nothing
   newest     rank 1 alone holds a newer commit: it is the root
 Every rank calls commit() the same number of times (it runs a collective).
@@ -87,6 +89,16 @@ def summary(state):
     }
 
 
+def local_step(state):
+    """Change everything a step changes, with no collective (one rank may do it alone)."""
+    for p in state.model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    state.optimizer.step()
+    state.sampler.record_batch(0, BATCH)
+    state.batch += 1
+    state.epoch += 1
+
+
 def delta(before, after):
     return {k: after[k] - before[k] for k in ("bytes_received", "bytes_sent")}
 
@@ -114,6 +126,12 @@ def main():
     state.sync()
     out["newcomer_after"] = summary(state)
     out["newcomer_delta"] = delta(before, state.sync_stats)
+    # A crash right after the sync: the run loop restores the last commit, which must
+    # be exactly the commit just received, not what the live objects did since.
+    local_step(state)
+    out["rollback_changed"] = summary(state)
+    state.restore()
+    out["rollback_after_sync"] = summary(state)
     # The synced optimizer must behave identically: one more joint step keeps ranks equal.
     train_step(state, 3)
     state.commit()
