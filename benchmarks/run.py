@@ -178,21 +178,30 @@ def bench_sync():
     e, f, b = median(s["sync_s"]), median(s["bcast_fresh_s"]), median(s["bcast_s"])
     ratio = f / e
     pack = median([p.get("pack", 0) for p in r0["sync"]["phases"]])
+    cpu_e = median([p["cpu"] for p in s["phases"]])
+    cpu_f, cpu_b = median(s["bcast_fresh_cpu_s"]), median(s["bcast_cpu_s"])
+    into = sorted({str(p.get("received_into")) for p in s["phases"]})
     row(f"sync to a newcomer, {mb(n)} (10M MLP + Adam), 2 workers: effective bandwidth "
         "on the receiver vs raw gloo broadcast of one buffer of that size into fresh memory "
-        "(into touched memory in brackets)",
-        f"{gbps(n, e):.2f} GB/s ({ms(e)})",
-        f"{gbps(n, f):.2f} GB/s ({ms(f)}) [{gbps(n, b):.2f} GB/s ({ms(b)})]",
-        f"{ratio:.2f}×", "≥ 0.8×",
-        yes(ratio >= 0.8, "the newcomer must end with two copies (live and snapshot) of what "
-            "it received once, in memory it never touched, where the baseline has one; "
-            "per-repeat numbers in notes"))
+        "(into touched memory in brackets); the receiver's CPU time below",
+        f"{gbps(n, e):.2f} GB/s ({ms(e)}); CPU {ms(cpu_e)}",
+        f"{gbps(n, f):.2f} GB/s ({ms(f)}) [{gbps(n, b):.2f} GB/s ({ms(b)})]; "
+        f"CPU {ms(cpu_f)} [{ms(cpu_b)}]",
+        f"{ratio:.2f}× (CPU {cpu_f / cpu_e:.2f}×)", "≥ 0.8×",
+        yes(ratio >= 0.8, f"received into {'/'.join(into)} buffers; what is left on the "
+            "newcomer is loading its live model (a copy) and optimizer state (new memory) "
+            "from the snapshot; per-repeat numbers in notes"))
     NOTES.append(f"sync: per-repeat receiver ms {[round(x * 1e3) for x in s['sync_s']]}, raw "
                  f"broadcast ms {[round(x * 1e3) for x in s['bcast_s']]}, raw broadcast into "
                  f"fresh memory ms {[round(x * 1e3) for x in s['bcast_fresh_s']]}; the sender "
                  f"sent from its snapshot (pack() time {ms(pack)}: 0 when nothing was packed); "
                  f"receiver apply() ms "
-                 f"{[round(p.get('apply', 0) * 1e3) for p in s['phases']]}")
+                 f"{[round(p.get('apply', 0) * 1e3) for p in s['phases']]}, CPU ms "
+                 f"{[round(p['cpu'] * 1e3) for p in s['phases']]}, page faults "
+                 f"{[p['minflt'] for p in s['phases']]}, received into "
+                 f"{[p.get('received_into') for p in s['phases']]}; raw broadcast CPU ms "
+                 f"{[round(x * 1e3) for x in s['bcast_cpu_s']]}, into fresh memory "
+                 f"{[round(x * 1e3) for x in s['bcast_fresh_cpu_s']]}")
     moved = r0["sync"]["noop_moved_bytes"] + r1["sync"]["noop_moved_bytes"]
     noop = median([r0["sync"]["noop_sync_s"], r1["sync"]["noop_sync_s"]])
     row("no-change sync (both ranks at the same commit): bytes moved (sync_stats)",

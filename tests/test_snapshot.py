@@ -334,7 +334,7 @@ def test_receive_into_reserved_flats_when_their_specs_fit():
     newcomer = Snapshot()
     newcomer.reserve(sender.specs())
     assert newcomer.empty and newcomer.reserved == sender.specs()
-    reserved = list(newcomer._reserve[1])
+    reserved = newcomer.reserved_flats
     assert all(f.count_nonzero() == 0 for f in reserved)      # touched: written once
     flats = newcomer.receive_buffers(sender.header())
     assert all(a is b for a, b in zip(flats, reserved)) and newcomer.reserved is None
@@ -358,7 +358,7 @@ def test_first_save_takes_reserved_flats_of_its_layout():
     ref.save(_tree())
     snap = Snapshot()
     snap.reserve(ref.specs())
-    reserved = list(snap._reserve[1])
+    reserved = snap.reserved_flats
     snap.save(_tree())
     assert all(a is b for a, b in zip(snap.flats(), reserved)) and snap.reserved is None
     assert_tree_equal(snap.materialize(), _tree())

@@ -181,6 +181,11 @@ class Snapshot:
         """The specs of the flats ``reserve`` holds, or None."""
         return None if self._reserve is None else list(self._reserve[0])
 
+    @property
+    def reserved_flats(self):
+        """The flats ``reserve`` holds (empty when none)."""
+        return [] if self._reserve is None else list(self._reserve[1])
+
     def drop_reserve(self):
         self._reserve = None
 
