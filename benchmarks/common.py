@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -119,34 +118,11 @@ def base_env():
 
 
 def publish_round(cs, round_id, worker_ids):
-    """What the driver does for one single-host round (as tests/harness.py): a member entry
-    each, the round header, the announcement, and ``assembled`` once all have arrived."""
-    from elastic import protocol as control
-    from elastic.protocol import Keys
-
-    n = len(worker_ids)
-    members = [{"worker_id": wid, "host": "localhost", "rank": r, "local_rank": r,
-                "local_size": n, "cross_rank": 0, "cross_size": 1}
-               for r, wid in enumerate(worker_ids)]
-    cs.put_many({Keys.member(round_id, m["worker_id"]): m for m in members})
-    cs.put(Keys.plan(round_id), {"round": round_id, "size": n,
-                                 "ids": control.encode_ids(worker_ids)})
-    cs.put(Keys.LATEST_ROUND, {"round": round_id})
-
-    def assembled():
-        keys = [Keys.joined(round_id, wid) for wid in worker_ids]
-        try:
-            while True:
-                if len(cs.get_present(keys)) == len(keys):
-                    cs.put(Keys.assembled(round_id), {"round": round_id, "ok": True})
-                    return
-                latest = cs.get(Keys.LATEST_ROUND)
-                if latest is not None and latest["round"] > round_id:
-                    return
-                time.sleep(0.01)
-        except Exception:  # noqa: BLE001 - the store went away
-            return
-    threading.Thread(target=assembled, daemon=True, name="bench-assembly").start()
+    """What the driver does for one single-host round: the tests' harness does it too,
+    so a change to the round protocol is made in one place (tests/harness.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from harness import publish_round as publish
+    publish(cs, round_id, worker_ids)
 
 
 def launch(script, n, args=(), timeout=240, env=None):
