@@ -93,6 +93,19 @@ def poll_pause(size: int, waited: float, first: float = 0.005, longest: float = 
     return max(size / STORE_LOOKS_PER_S, min(longest, max(first, waited / 4)))
 
 
+# A waiting worker's rarer looks (is its round aborted, is there a newer one, is the job
+# stopping, are its own kept values intact) are backstops: the look above answers first.
+# They cost several requests each, so in a big round they slow down until all members
+# together make about BACKSTOP_LOOKS_PER_S of them (every 2 s at 4,096 members).
+HEAL_EVERY_S = 0.5
+BACKSTOP_LOOKS_PER_S = 2000.0
+
+
+def backstop_pause(size: int) -> float:
+    """Seconds between a waiting member's backstop looks in a round of ``size``."""
+    return max(HEAL_EVERY_S, size / BACKSTOP_LOOKS_PER_S)
+
+
 def encode_ids(ids) -> list:
     """Worker ids as a short list: decimal ids as sorted [first, count] runs of
     consecutive ids (a job's members are mostly consecutive), any other id as

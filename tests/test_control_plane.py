@@ -36,6 +36,12 @@ def test_poll_pause_keeps_small_jobs_quick_and_bounds_the_store_load():
     assert 4096 / big <= control.STORE_LOOKS_PER_S * 1.0001
 
 
+def test_backstop_looks_stay_at_half_a_second_in_small_rounds_and_slow_in_big_ones():
+    assert control.backstop_pause(4) == control.backstop_pause(1000) == 0.5
+    assert control.backstop_pause(4096) > 2.0
+    assert 4096 / control.backstop_pause(4096) <= control.BACKSTOP_LOOKS_PER_S * 1.0001
+
+
 @pytest.fixture
 def store():
     master = control.listen("127.0.0.1", 30)

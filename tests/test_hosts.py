@@ -216,3 +216,34 @@ def test_version_moves_exactly_when_a_read_may_change():
     v = m.version
     m.update({"a": 2, "b": 1}, now=12)
     assert m.version > v
+
+
+def test_the_same_result_again_reports_what_a_model_of_the_rules_reports():
+    """update skips its O(n) work when the result repeats; a random walk of results,
+    blacklistings, returns and clock steps checks it against the rules themselves."""
+    rng = random.Random(7)
+    pool = [f"h{i}" for i in range(8)]
+    for _ in range(50):
+        m = HostManager(cooldown_range=(1.0, 4.0))
+        now, result, barred, seen, before = 0.0, {}, {}, [], {}
+        for _ in range(60):
+            op = rng.random()
+            now += rng.choice([0.0, 0.3, 1.0, 2.5])
+            if op < 0.3:                                 # a new result
+                result = {h: rng.randint(1, 3) for h in rng.sample(pool, rng.randint(0, 8))}
+            elif op < 0.45 and result:                   # a failure bars a host
+                host = rng.choice(sorted(result))
+                barred[host] = m.blacklist(host, now)
+            elif op < 0.55:
+                for host in m.returning(now):
+                    assert barred[host] <= now
+            seen += [h for h in result if h not in seen]
+            available = {h: result[h] for h in seen
+                         if h in result and barred.get(h, -math.inf) <= now}
+            changes = m.update(dict(result), now)      # often the very same result again
+            assert m.available(now) == available
+            assert changes == HostChanges(
+                added=tuple(h for h in available if h not in before),
+                removed=tuple(h for h in seen if h in before and h not in available),
+                changed=tuple(h for h in available if h in before and before[h] != available[h]))
+            before = available

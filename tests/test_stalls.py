@@ -210,9 +210,19 @@ def test_beats_and_reads_slow_down_in_a_big_job_but_stay_within_a_tenth_of_the_t
     # Small jobs: every second, read every half second (what every other test runs).
     assert heartbeat_interval(4, 30) == 1.0 and heartbeat_read_interval(4, 30) == 0.5
     assert heartbeat_interval(4, 30, base=0.2) == 0.2
-    # 4,096 workers: the store serves about 2,048 beats a second, not 4,096.
-    assert heartbeat_interval(4096, 30) == 2.0 and heartbeat_read_interval(4096, 30) == 2.0
-    assert 4096 / heartbeat_interval(4096, 30) <= 2048
+    # 4,096 workers: the store serves about 2,048 beats a second, not 4,096, and the
+    # driver verifies about 1,024 seals a second.
+    assert heartbeat_interval(4096, 120) == 2.0 and heartbeat_read_interval(4096, 120) == 4.0
+    assert 4096 / heartbeat_interval(4096, 120) <= 2048
+    assert 4096 / heartbeat_read_interval(4096, 120) <= 1024
     # A short --worker-timeout wins over the job's size: a hang is still called in time.
+    assert heartbeat_interval(4096, 30) == 2.0 and heartbeat_read_interval(4096, 30) == 3.0
     assert heartbeat_interval(4096, 6) == 1.0 and heartbeat_read_interval(4096, 6) == 0.6
     assert heartbeat_interval(100_000, 120) == 12.0
+
+
+def test_exits_are_polled_every_tick_in_a_small_job_and_less_often_in_a_big_one():
+    from elastic.runner.stalls import exit_poll_interval
+    assert exit_poll_interval(4, 0.05) == 0.05 and exit_poll_interval(1024, 0.05) == 0.05
+    assert exit_poll_interval(4096, 0.05) == 0.2
+    assert 4096 / exit_poll_interval(4096, 0.05) <= 20480

@@ -48,7 +48,7 @@ from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
 from elastic.runner.policy import can_skip, decide
-from elastic.runner.stalls import Liveness, heartbeat_interval, heartbeat_read_interval
+from elastic.runner.stalls import Liveness, exit_poll_interval, heartbeat_interval, heartbeat_read_interval
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05
@@ -150,6 +150,7 @@ class Driver:
         self.workers = {}          # live workers by id
         self.started = time.monotonic()
         self._last_heartbeat_check = 0.0
+        self._last_exit_poll = 0.0
         self._discovery_error = None
         self._local_names = launcher.local_names()
         self.events = EventLog(config.event_log)
@@ -263,11 +264,14 @@ class Driver:
                      stop_signal=self.stop_signal)
 
     def _observe(self, now):
-        """This tick's observations: exits, registrations, heartbeats (every
-        stalls.heartbeat_read_interval), failure reports and the current round's assembly."""
-        exits = []
-        ended = [(wid, w, code) for wid, w in self.workers.items()
-                 if (code := w.proc.poll()) is not None]
+        """This tick's observations: exits (every stalls.exit_poll_interval), registrations,
+        heartbeats (every stalls.heartbeat_read_interval), failure reports and the current
+        round's assembly."""
+        exits, ended = [], []
+        if now - self._last_exit_poll >= exit_poll_interval(len(self.workers), TICK_S):
+            self._last_exit_poll = now
+            ended = [(wid, w, code) for wid, w in self.workers.items()
+                     if (code := w.proc.poll()) is not None]
         for wid, w, code in ended:
             del self.workers[wid]
             self._unready.discard(wid)

@@ -65,6 +65,8 @@ class HostManager:
         self._until: dict[str, float] = {}
         self._last_available: dict[str, int] = {}
         self.version = 0
+        self._last_result: dict[str, int] = {}   # update's last input (replaced, never changed)
+        self._version_after, self._updated_at = -1, -math.inf
 
     def copy(self) -> HostManager:
         """An independent manager in the same state (its rng too), without a deep copy."""
@@ -84,6 +86,10 @@ class HostManager:
         so a host blacklisted in between shows up as removed, and one whose
         cooldown expired shows up as added.
         """
+        if discovered == self._last_result and self.version == self._version_after \
+                and now >= self._updated_at \
+                and not any(self._updated_at < t <= now for t in self._until.values()):
+            return HostChanges()   # the same result again (a C-speed compare at 4,096 hosts)
         for host, slots in discovered.items():
             if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
                 raise ValueError(f"invalid slot count {slots!r} for host {host!r}")
@@ -95,6 +101,8 @@ class HostManager:
         previous = self._last_available
         current = self.available(now)
         self._last_available = current
+        self._last_result, self._version_after, self._updated_at = dict(discovered), \
+            self.version, now
         return HostChanges(
             added=tuple(h for h in current if h not in previous),
             removed=tuple(h for h in self._ordered(previous) if h not in current),
@@ -157,10 +165,11 @@ class HostManager:
         added if discovery reports them again.
         """
         expired = [h for h, t in self._until.items() if t <= now]
+        if not expired:
+            return ()                # every tick asks: O(blacklisted), not O(hosts seen)
         for h in expired:
             del self._until[h]
-        if expired:
-            self.version += 1
+        self.version += 1
         return tuple(h for h in self._ordered(expired) if h in self._discovered)
 
     def all_blacklisted(self, now: float) -> bool:

@@ -77,7 +77,9 @@ class StallView:
 
 BEAT_S = 1.0          # a worker's heartbeat interval in a job of up to 2,048 workers
 READ_BEATS_S = 0.5    # how often the driver reads them then
-BEATS_PER_S = 2048    # ... beyond which both slow down, so the store serves about this many
+BEATS_PER_S = 2048    # ... beyond which beats slow down, so the store serves about this many
+VERIFIED_PER_S = 1024  # ... and reads slow down, so the driver verifies about this many seals
+EXIT_POLLS_PER_S = 20480   # process polls per second, at most (at 50 ms ticks: 1,024 per tick)
 
 
 def heartbeat_interval(workers, worker_timeout, base=BEAT_S):
@@ -88,10 +90,17 @@ def heartbeat_interval(workers, worker_timeout, base=BEAT_S):
 
 
 def heartbeat_read_interval(workers, worker_timeout):
-    """Seconds between the driver's reads of every beat (each verifies n seals): READ_BEATS_S,
-    slower in a big job, at most a tenth of --worker-timeout (exits are seen every tick)."""
-    return min(max(READ_BEATS_S, workers / BEATS_PER_S),
+    """Seconds between the driver's reads of every beat: READ_BEATS_S, slower in a big
+    job (each read verifies n seals: 4 s at 4,096 workers), at most a tenth of
+    --worker-timeout (exits are seen within exit_poll_interval)."""
+    return min(max(READ_BEATS_S, workers / VERIFIED_PER_S),
                max(READ_BEATS_S, worker_timeout / 10))
+
+
+def exit_poll_interval(workers, tick):
+    """Seconds between the driver's polls of every worker process: each ``tick`` in a
+    small job, slower in a big one (0.2 s at 4,096), so polling stays a small cost."""
+    return max(tick, workers / EXIT_POLLS_PER_S)
 
 
 def warn_after(stall_timeout):

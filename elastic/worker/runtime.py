@@ -29,7 +29,6 @@ from elastic.worker.liveness import Heartbeat, LeavingReport, Progress
 from elastic.worker.signed_store import SignedStore
 
 log = logging.getLogger(__name__)
-HEAL_EVERY_S = 0.5          # how often our kept values are checked and put back
 logs.install()
 
 
@@ -228,7 +227,8 @@ class Worker:
         stop_looked = 0.0
         try:
             while True:
-                if self.leave_requested or time.monotonic() - stop_looked >= HEAL_EVERY_S:
+                if self.leave_requested or \
+                        time.monotonic() - stop_looked >= control.backstop_pause(self._size_hint):
                     stop_looked = time.monotonic()   # the stop key is looked at less often
                     self._check_stop()
                 self.retired_groups.release_drained()
@@ -292,7 +292,7 @@ class Worker:
             if outcome is not None:
                 return bool(outcome["ok"])
             now = time.monotonic()
-            if now - looked >= HEAL_EVERY_S:
+            if now - looked >= control.backstop_pause(size):
                 # Rarer looks: the driver also says "not ok" on this key when it
                 # aborts or replaces the round, so these are only a backstop.
                 looked = now
@@ -311,9 +311,9 @@ class Worker:
 
     def _heal_kept(self):
         """Put back our kept values (registration, arrival, failure report) where
-        something overwrote them; at most every HEAL_EVERY_S."""
+        something overwrote them; at most every protocol.backstop_pause of the round."""
         now = time.monotonic()
-        if now - self._healed_at >= HEAL_EVERY_S:
+        if now - self._healed_at >= control.backstop_pause(self._size_hint):
             self._healed_at = now
             self.control.heal()
 
