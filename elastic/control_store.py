@@ -27,6 +27,11 @@ ENV_SECRET_FILE = "ELASTIC_SECRET_FILE"
 _CHUNK = 512            # keys per check / multi_get in get_present
 _SMALL_CHUNK = 32       # ... below which a chunk with a missing key is read key by key
 _REPLAY_MEMORY = 1 << 16  # keys whose highest accepted sequence number is remembered
+# compare_set(key, _ABSENT, _ABSENT) never creates a missing key and answers with what is
+# stored, or with _ABSENT when nothing is: a read that cannot block in one round trip
+# (check-then-get takes two). No sealed value is this, so it reads as absent.
+_ABSENT = "\0elastic-absent"
+_ABSENT_BYTES = _ABSENT.encode()
 
 
 class ControlError(ElasticError):
@@ -130,16 +135,17 @@ class ControlStore:
 
     def get(self, key):
         """The verified value of ``key``; None when absent, forged or replayed."""
+        blob = self.fetch(key)
+        return None if blob is None else self._verify(key, blob)
+
+    def fetch(self, key):
+        """The bytes stored under ``key`` (unverified), or None, in one round trip."""
         self.requests += 1
-        if not self.raw.check([key]):
+        blob = bytes(self.raw.compare_set(key, _ABSENT, _ABSENT))
+        if blob == _ABSENT_BYTES:
             return None
-        self.requests += 1
-        try:
-            blob = bytes(self.raw.get(key))
-        except dist.DistStoreError:
-            return None      # deleted between the check and the read (after one timeout)
         self.bytes_read += len(blob)
-        return self._verify(key, blob)
+        return blob
 
     def get_many(self, keys):
         """{key: verified value or None}, in one round trip when all exist."""
@@ -171,11 +177,16 @@ class ControlStore:
     def _read_chunk(self, keys, blobs):
         if not keys:
             return
+        if len(keys) == 1:
+            blob = self.fetch(keys[0])
+            if blob is not None:
+                blobs[keys[0]] = blob
+            return
         self.requests += 1
         if self.raw.check(keys):
             self.requests += 1
             try:
-                got = self.raw.multi_get(keys) if len(keys) > 1 else [self.raw.get(keys[0])]
+                got = self.raw.multi_get(keys)
             except dist.DistStoreError:
                 return       # deleted between the check and the read (after one timeout)
             for k, b in zip(keys, got):
@@ -200,6 +211,11 @@ class ControlStore:
         """Whether anything at all is stored under ``key`` (verified or not)."""
         self.requests += 1
         return self.raw.check([key])
+
+    @property
+    def kept(self):
+        """How many values heal() looks after."""
+        return len(self._kept)
 
     def heal(self):
         """Put back every kept value that is missing or was overwritten."""
@@ -256,12 +272,10 @@ class Doorbell:
 
     def new_names(self) -> list:
         """Names rung since the last call (all of them again if the list was rewritten)."""
-        if not self.store.present(self.key):
+        blob = self.store.fetch(self.key)
+        if blob is None:
             self._offset = 0
             return []
-        self.store.requests += 1
-        blob = bytes(self.store.raw.get(self.key))
-        self.store.bytes_read += len(blob)
         if len(blob) < self._offset:
             self._offset = 0
         end = blob.rfind(b"\n") + 1

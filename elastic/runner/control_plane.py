@@ -13,6 +13,7 @@ from elastic.runner import binding
 
 log = logging.getLogger("elasticrun")
 HEAL_EVERY_S = 0.5        # put back the driver's own keys if someone overwrote them
+HEALED_PER_S = 2048       # ... slower when many are kept (a big round's member entries)
 FULL_LOOK_S = 2.0         # every awaited key is looked at this often (a doorbell may be wiped)
 ROUND_KEYS_KEPT = 8       # rounds whose keys stay in the store; older ones are deleted
 ASSEMBLED_KEPT = 3        # the assembly outcome of this many recent rounds is kept in place
@@ -90,8 +91,10 @@ class DriverControl:
             log.info("%s", self.describe())
 
     def heal(self, now):
-        """Rounds, plans and aborts an outsider destroyed are back within HEAL_EVERY_S."""
-        if now - self._healed_at >= HEAL_EVERY_S:
+        """Rounds, plans and aborts an outsider destroyed are back within HEAL_EVERY_S
+        (2 s while the 4,096 entries of a big round's members who have not arrived are
+        kept too: each heal reads every kept value back)."""
+        if now - self._healed_at >= max(HEAL_EVERY_S, self.store.kept / HEALED_PER_S):
             self._healed_at = now
             self.store.heal()
 
@@ -110,8 +113,8 @@ class DriverControl:
     # -- rounds -------------------------------------------------------------------------
     def publish(self, round_id, members):
         """Each member's entry first, then the header, then the latest round: a worker
-        that sees the header finds its own entry there. All kept until the round
-        assembles (a member has read its entry once it arrived)."""
+        that sees the header finds its own entry there. Each is kept until its member
+        arrives (it has read its entry then) or the round is over."""
         self.store.put_many({Keys.member(round_id, m["worker_id"]): m for m in members},
                             keep=True)
         ids = [m["worker_id"] for m in members]
@@ -146,6 +149,7 @@ class DriverControl:
         for wid in self._verified(bell, pending, lambda w: Keys.joined(round_id, w),
                                   ("arrivals", round_id), now):
             pending.discard(wid)
+            self.store.forget(Keys.member(round_id, wid))    # it read its entry
         if pending:
             return len(ids) - len(pending)
         self._settle(round_id, True)
@@ -186,14 +190,20 @@ class DriverControl:
         return self._verified(self._registered, set(worker_ids), Keys.ready, "ready", now)
 
     def _verified(self, bell, awaited, key_of, look, now):
-        """The awaited names whose sealed key holds a value."""
+        """The awaited names whose sealed key holds a value. Every awaited key is looked
+        at once the doorbell has brought no verified name for FULL_LOOK_S (it may have
+        been wiped): while names stream in, such a look (thousands of reads in a big
+        round) would only slow the stream down."""
         now = time.monotonic() if now is None else now
         names = [w for w in bell.new_names() if w in awaited]
-        if now - self._full_looks.get(look, 0.0) >= FULL_LOOK_S:
-            self._full_looks[look] = now
+        full = now - self._full_looks.get(look, 0.0) >= FULL_LOOK_S
+        if full:
             names = list(awaited)
         keys = {key_of(w): w for w in dict.fromkeys(names)}
-        return {keys[k] for k in self.store.get_present(keys)}
+        found = {keys[k] for k in self.store.get_present(keys)}
+        if found or full:
+            self._full_looks[look] = now
+        return found
 
     def failure_reported(self, round_id, member_ids):
         """The doorbell names a reporter; if it was tampered with, ask every member."""
