@@ -168,3 +168,21 @@ def test_a_wiped_doorbell_only_delays_an_arrival_to_the_next_full_look():
     assert eventually(lambda: worker.present(Keys.joined(1, "1")), True)
     assert plane.assembly(1, t + FULL_LOOK_S / 2) == 1            # not rung: not looked at
     assert plane.assembly(1, t + FULL_LOOK_S * 2) == 2            # the full look finds it
+
+
+def test_no_full_look_while_verified_arrivals_stream_in_and_one_once_they_stop():
+    """A full look reads every awaited key (thousands in a big round): it waits until
+    the doorbell has brought no verified name for FULL_LOOK_S."""
+    from elastic.runner.control_plane import FULL_LOOK_S
+    plane, worker, members = _driver_and_worker(3)
+    plane.publish(1, members)
+    t = 1e9
+    _arrive(worker, 1, "0")
+    assert eventually(lambda: plane.assembly(1, t), 1) == 1
+    _arrive(worker, 1, "1", ring=False)            # its ring was lost (a wiped bell)
+    _arrive(worker, 1, "2")
+    assert eventually(lambda: plane.assembly(1, t + 0.9 * FULL_LOOK_S), 2) == 2
+    assert plane.assembly(1, t + 1.5 * FULL_LOOK_S) == 2          # rung 0.6 periods ago
+    worker.raw.set(Keys.arrivals(1), b"0\n2\n0\n2\n1x\n")         # false and stale names
+    assert plane.assembly(1, t + 1.8 * FULL_LOOK_S) == 2          # ... do not postpone it
+    assert plane.assembly(1, t + 2.0 * FULL_LOOK_S) == 3          # quiet for a period
