@@ -93,10 +93,11 @@ def poll_pause(size: int, waited: float, first: float = 0.005, longest: float = 
     return max(size / STORE_LOOKS_PER_S, min(longest, max(first, waited / 4)))
 
 
-# A waiting worker's rarer looks (is its round aborted, is there a newer one, is the job
-# stopping, are its own kept values intact) are backstops: the look above answers first.
-# They cost several requests each, so in a big round they slow down until all members
-# together make about BACKSTOP_LOOKS_PER_S of them (every 2 s at 4,096 members).
+# HEAL_EVERY_S: how often a process puts back the values it keeps in the store where an
+# outsider overwrote them. A waiting worker's rarer looks (is its round aborted, is there
+# a newer one, is the job stopping, are its kept values intact) are backstops: the look
+# above answers first. They cost several requests each, so in a big round they slow
+# down until all members make about BACKSTOP_LOOKS_PER_S of them (every 2 s at 4,096).
 HEAL_EVERY_S = 0.5
 BACKSTOP_LOOKS_PER_S = 2000.0
 

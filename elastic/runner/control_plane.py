@@ -12,8 +12,7 @@ from elastic.protocol import ControlStore, Keys
 from elastic.runner import binding
 
 log = logging.getLogger("elasticrun")
-HEAL_EVERY_S = 0.5        # put back the driver's own keys if someone overwrote them
-HEALED_PER_S = 2048       # ... slower when many are kept (a big round's member entries)
+HEALED_PER_S = 2048       # the driver's heals slow down when many values are kept
 FULL_LOOK_S = 2.0         # every awaited key is looked at this often (a doorbell may be wiped)
 ROUND_KEYS_KEPT = 8       # rounds whose keys stay in the store; older ones are deleted
 ASSEMBLED_KEPT = 3        # the assembly outcome of this many recent rounds is kept in place
@@ -91,10 +90,10 @@ class DriverControl:
             log.info("%s", self.describe())
 
     def heal(self, now):
-        """Rounds, plans and aborts an outsider destroyed are back within HEAL_EVERY_S
-        (2 s while the 4,096 entries of a big round's members who have not arrived are
-        kept too: each heal reads every kept value back)."""
-        if now - self._healed_at >= max(HEAL_EVERY_S, self.store.kept / HEALED_PER_S):
+        """Rounds, plans and aborts an outsider destroyed are back within
+        protocol.HEAL_EVERY_S (2 s while the 4,096 entries of a big round's members who
+        have not arrived are kept too: each heal reads every kept value back)."""
+        if now - self._healed_at >= max(control.HEAL_EVERY_S, self.store.kept / HEALED_PER_S):
             self._healed_at = now
             self.store.heal()
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from elastic.auth import Rejected
 from elastic.exceptions import ElasticError
+from elastic.protocol import HEAL_EVERY_S
 
 POLL_MIN_S = 0.001
 POLL_MAX_S = 0.02
-HEAL_EVERY_S = 0.5
 
 
 class RendezvousTimeout(ElasticError):
