@@ -324,7 +324,9 @@ class Checkpointer:
             result = write_checkpoint(
                 self.directory, version, skeleton, buffers, released=self._read,
                 info={"world_size": size}, hold_s=self.test_hold_s, delay_s=self.test_delay_s)
+            pruned = time.perf_counter()
             store.prune(self.directory, self.keep)
+            result["prune_s"] = time.perf_counter() - pruned
         except Exception as exc:  # noqa: BLE001 - training goes on; the next one retries
             self._failed(f"writing the checkpoint of commit {version}", exc)
             return
