@@ -32,7 +32,7 @@ from elastic.worker.runtime import Worker
 KILLED = -9          # the exit code of a worker the driver stopped (as for SIGKILL)
 CRASHED = 1          # a worker the harness crashed
 STARTERS = 4         # workers that start at once in one simulated process
-POOLED = 16          # store connections its workers share
+POOLED = 64          # store connections its workers share
 
 
 def sim_of(host: str, processes: int) -> int:
@@ -276,6 +276,7 @@ class SimProcess:
                     if stopping:
                         raise Gone("elasticrun is stopping")
                     if latest > w.round_id:
+                        w.learn_latest(latest)   # as the commit's collective tells each rank
                         break            # a new round: rejoin, as HostsUpdatedInterrupt does
         except Gone:
             code = 0

@@ -111,6 +111,11 @@ class Worker:
             self._latest = max(self._latest, int(value["round"]))
         return self._latest
 
+    def learn_latest(self, round_id):
+        """A newer round heard of from rank 0 through the commit's collective (rank 0 read
+        it from the store and verified it): the next join starts there without asking."""
+        self._latest = max(self._latest, int(round_id))
+
     @property
     def polls_work(self):
         """NCCL work must be polled: its future completes when the kernel is queued."""
@@ -175,7 +180,8 @@ class Worker:
         self.retired_groups.release_drained()
         self._leave_flagged = self.leave_requested
         looks = self.membership is None or self.membership.rank == 0
-        return [1 if looks and self.latest_round() > self.round_id else 0,
+        latest = self.latest_round() if looks else 0
+        return [latest if latest > self.round_id else 0,
                 1 if self._leave_flagged else 0, 1 if looks and self.stop_requested() else 0]
 
     def act_on_commit_flags(self, flags, commit):
@@ -183,6 +189,8 @@ class Worker:
         that arrived during the collective waits for the next commit: peers did not hear
         of it at this one, and leaving now would break their next collective."""
         pending, leaving, stopping = flags
+        if pending:
+            self.learn_latest(pending)      # rank 0's newest round: no store read to join it
         if stopping:
             raise StopTraining(f"elasticrun is stopping; stopped at commit {commit}")
         if self._leave_flagged:
@@ -224,7 +232,10 @@ class Worker:
         deadline = time.monotonic() + self.round_timeout
         tried = self.round_id
         self.progress.begin_wait("next round", tried, on_peers=False)
-        stop_looked = 0.0
+        # A round heard of at the commit is joined at once; the stop key is looked at
+        # first only when no newer round is known yet (the commit looked at it too).
+        known = self._latest if self._latest > tried else None
+        stop_looked = time.monotonic() if known else 0.0
         try:
             while True:
                 if self.leave_requested or \
@@ -232,7 +243,7 @@ class Worker:
                     stop_looked = time.monotonic()   # the stop key is looked at less often
                     self._check_stop()
                 self.retired_groups.release_drained()
-                latest = self.latest_round()
+                latest, known = (known, None) if known else (self.latest_round(), None)
                 if latest > tried:
                     outcome = self._try_round(latest, deadline)
                     if outcome:
@@ -254,21 +265,29 @@ class Worker:
         """True: joined. False: not for us (not a member, or aborted). None: the plan
         is not readable (yet): try again.
 
-        The header names the members as id runs and each member reads only its own
-        entry, so what a worker reads per round does not grow with the job."""
-        plan = self.control.get(Keys.plan(round_id))
-        if plan is None:
-            return None
-        self._size_hint = int(plan["size"])
-        if not control.ids_contain(plan["ids"], self.worker_id):
-            if self.ever_member:
-                self.leave_process(f"not a member of round {round_id}; leaving the job")
-            return False
+        A member reads only its own entry, which carries the round's size, so what a
+        worker reads per round does not grow with the job. The header (the members as
+        id runs) is read only where the entry is missing, to tell "not a member" from
+        "not readable yet", and in a small round, whose members see each other arrive."""
         me = self.control.get(Keys.member(round_id, self.worker_id))
-        if me is None:
-            return None       # an outsider removed it: the driver puts it back
+        small = None
+        if me is None or int(me.get("size", 0)) <= SELF_ASSEMBLY_MAX:
+            plan = self.control.get(Keys.plan(round_id))
+            if plan is None:
+                return None
+            self._size_hint = int(plan["size"])
+            if not control.ids_contain(plan["ids"], self.worker_id):
+                if self.ever_member:
+                    self.leave_process(f"not a member of round {round_id}; leaving the job")
+                return False
+            if me is None:
+                return None       # an outsider removed it: the driver puts it back
+            if self._size_hint <= SELF_ASSEMBLY_MAX:
+                small = control.decode_ids(plan["ids"])
+        else:
+            self._size_hint = int(me["size"])
         try:
-            return self._enter(round_id, plan, me, deadline)
+            return self._enter(round_id, self._size_hint, small, me, deadline)
         finally:   # the driver has read our arrival, or the round is over
             self.control.forget(Keys.joined(round_id, self.worker_id))
 
@@ -317,9 +336,7 @@ class Worker:
             self._healed_at = now
             self.control.heal()
 
-    def _enter(self, round_id, plan, me, deadline):
-        size = plan["size"]
-        small = control.decode_ids(plan["ids"]) if size <= SELF_ASSEMBLY_MAX else None
+    def _enter(self, round_id, size, small, me, deadline):
         if not self._assemble(round_id, size, deadline, small):
             return False
         self.round_id = round_id
