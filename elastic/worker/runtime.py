@@ -112,8 +112,7 @@ class Worker:
         return self._latest
 
     def learn_latest(self, round_id):
-        """A newer round heard of from rank 0 through the commit's collective (rank 0 read
-        it from the store and verified it): the next join starts there without asking."""
+        """A newer round rank 0 verified, from the commit's collective: joined without a read."""
         self._latest = max(self._latest, int(round_id))
 
     @property
@@ -181,16 +180,15 @@ class Worker:
         self._leave_flagged = self.leave_requested
         looks = self.membership is None or self.membership.rank == 0
         latest = self.latest_round() if looks else 0
-        return [latest if latest > self.round_id else 0,
-                1 if self._leave_flagged else 0, 1 if looks and self.stop_requested() else 0]
+        return [latest if latest > self.round_id else 0, 1 if self._leave_flagged else 0,
+                1 if looks and self.stop_requested() else 0]
 
     def act_on_commit_flags(self, flags, commit):
         """Every rank got the same Max of the flags, so every rank acts alike. A SIGTERM
         that arrived during the collective waits for the next commit: peers did not hear
         of it at this one, and leaving now would break their next collective."""
         pending, leaving, stopping = flags
-        if pending:
-            self.learn_latest(pending)      # rank 0's newest round: no store read to join it
+        self.learn_latest(pending)      # rank 0's newest round (0: none): no read to join it
         if stopping:
             raise StopTraining(f"elasticrun is stopping; stopped at commit {commit}")
         if self._leave_flagged:
@@ -232,8 +230,7 @@ class Worker:
         deadline = time.monotonic() + self.round_timeout
         tried = self.round_id
         self.progress.begin_wait("next round", tried, on_peers=False)
-        # A round heard of at the commit is joined at once; the stop key is looked at
-        # first only when no newer round is known yet (the commit looked at it too).
+        # A round known from the commit is joined at once (the commit looked at the stop).
         known = self._latest if self._latest > tried else None
         stop_looked = time.monotonic() if known else 0.0
         try:
@@ -265,10 +262,9 @@ class Worker:
         """True: joined. False: not for us (not a member, or aborted). None: the plan
         is not readable (yet): try again.
 
-        A member reads only its own entry, which carries the round's size, so what a
-        worker reads per round does not grow with the job. The header (the members as
-        id runs) is read only where the entry is missing, to tell "not a member" from
-        "not readable yet", and in a small round, whose members see each other arrive."""
+        A member reads only its own entry (it carries the size): reads do not grow with
+        the job. The header (member id runs) only where the entry is missing ("not a
+        member" or "not yet") and in small rounds, whose members see each other arrive."""
         me = self.control.get(Keys.member(round_id, self.worker_id))
         small = None
         if me is None or int(me.get("size", 0)) <= SELF_ASSEMBLY_MAX:
