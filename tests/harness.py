@@ -30,7 +30,7 @@ def free_port():
 def publish_round(cs, round_id, worker_ids):
     """Write a single-host plan for ``worker_ids`` (ranks in list order), then announce it."""
     n = len(worker_ids)
-    members = [{"worker_id": wid, "host": "localhost", "rank": r, "local_rank": r,
+    members = [{"worker_id": wid, "host": "localhost", "rank": r, "size": n, "local_rank": r,
                 "local_size": n, "cross_rank": 0, "cross_size": 1}
                for r, wid in enumerate(worker_ids)]
     cs.put_many({Keys.member(round_id, m["worker_id"]): m for m in members})

@@ -114,10 +114,9 @@ class DriverControl:
         """Each member's entry first, then the header, then the latest round: a worker
         that sees the header finds its own entry there. Each is kept until its member
         arrives (it has read its entry then) or the round is over. An entry carries the
-        round's size, so a member of a big round reads only its own entry."""
-        size = len(members)
-        self.store.put_many({Keys.member(round_id, m["worker_id"]): dict(m, size=size)
-                             for m in members}, keep=True)
+        round's size (planner.plan_round), so a member of a big round reads only it."""
+        self.store.put_many({Keys.member(round_id, m["worker_id"]): m for m in members},
+                            keep=True)
         ids = [m["worker_id"] for m in members]
         self.store.put(Keys.plan(round_id), {"round": round_id, "size": len(members),
                                              "ids": control.encode_ids(ids)}, keep=True)

@@ -240,7 +240,7 @@ class Worker:
                     stop_looked = time.monotonic()   # the stop key is looked at less often
                     self._check_stop()
                 self.retired_groups.release_drained()
-                latest, known = (known, None) if known else (self.latest_round(), None)
+                latest, known = known or self.latest_round(), None
                 if latest > tried:
                     outcome = self._try_round(latest, deadline)
                     if outcome:
@@ -267,7 +267,7 @@ class Worker:
         member" or "not yet") and in small rounds, whose members see each other arrive."""
         me = self.control.get(Keys.member(round_id, self.worker_id))
         small = None
-        if me is None or int(me.get("size", 0)) <= SELF_ASSEMBLY_MAX:
+        if me is None or int(me["size"]) <= SELF_ASSEMBLY_MAX:
             plan = self.control.get(Keys.plan(round_id))
             if plan is None:
                 return None
@@ -278,10 +278,8 @@ class Worker:
                 return False
             if me is None:
                 return None       # an outsider removed it: the driver puts it back
-            if self._size_hint <= SELF_ASSEMBLY_MAX:
-                small = control.decode_ids(plan["ids"])
-        else:
-            self._size_hint = int(me["size"])
+            small = control.decode_ids(plan["ids"])
+        self._size_hint = int(me["size"])
         try:
             return self._enter(round_id, self._size_hint, small, me, deadline)
         finally:   # the driver has read our arrival, or the round is over
