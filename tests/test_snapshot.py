@@ -5,7 +5,17 @@ import pickle
 import pytest
 import torch
 
-from elastic.state.snapshot import Snapshot, TensorRef, flat_specs, join, pack, split, unpack
+from elastic.state.snapshot import (
+    Arena,
+    Snapshot,
+    TensorRef,
+    flat_specs,
+    join,
+    numel_by_dtype,
+    pack,
+    split,
+    unpack,
+)
 
 
 def _bytes(t):
@@ -351,6 +361,29 @@ def test_receive_into_reserved_flats_when_their_specs_fit():
     assert [(str(f.dtype), f.numel()) for f in flats] == sender.specs()
     stale.drop_reserve()
     assert stale.reserved is None
+
+
+def test_arena_hands_out_touched_memory_in_order_then_falls_back_to_fresh():
+    a = torch.arange(6, dtype=torch.float32).view(2, 3)
+    b = torch.tensor(2.5)                       # a 0-d tensor (an optimizer's step)
+    c = torch.arange(4, dtype=torch.int64)
+    arena = Arena(numel_by_dtype([a, b]) + [("torch.int64", 2)])
+    assert numel_by_dtype([a, b, c]) == [("torch.float32", 7), ("torch.int64", 4)]
+    ca, cb, cc = arena.clone(a), arena.clone(b), arena.clone(c)
+    for orig, copy_ in ((a, ca), (b, cb), (c, cc)):
+        assert_bitwise(orig, copy_)
+        assert copy_.data_ptr() != orig.data_ptr()
+    # a and b share the arena's float32 flat, one after the other; c did not fit.
+    assert ca.untyped_storage().data_ptr() == cb.untyped_storage().data_ptr()
+    assert cb.data_ptr() == ca.data_ptr() + 6 * 4
+    assert cc.untyped_storage().data_ptr() != ca.untyped_storage().data_ptr()
+    assert arena.taken == 2
+    # Copies are independent of their sources and of each other.
+    ca.add_(1)
+    assert_bitwise(b, cb)
+    assert float(a.sum()) == 15.0
+    assert arena.clone(torch.ones(1)).data_ptr() not in (ca.data_ptr(), cb.data_ptr())
+    assert arena.taken == 2                     # full: a fresh copy
 
 
 def test_first_save_takes_reserved_flats_of_its_layout():

@@ -282,6 +282,10 @@ def test_rollback_right_after_a_newcomer_sync_restores_the_synced_commit(gloo_ru
     # The newcomer received into the buffers it reserved (and touched) at construction.
     assert r1["newcomer_before"]["stats"]["received_into"] is None
     assert r1["newcomer_after"]["stats"]["received_into"] == "reserve"
+    # Its optimizer state was copied into the touched arena (one storage), not fresh memory,
+    # and the rollback below still restores the commit: the arena is not the snapshot.
+    assert r1["newcomer_after"]["stats"]["copied_into"] == "arena"
+    assert r1["newcomer_after"]["opt_storages"] == 1 < r0["newcomer_after"]["opt_storages"]
     for r in gloo_run:
         for key in ("params", "opt", "sampler", "epoch", "batch"):
             assert r["rollback_changed"][key] != r0["trained"][key], key

@@ -255,6 +255,43 @@ class Snapshot:
         self.buffers = list(self._views)
 
 
+class Arena:
+    """Touched host memory handed out in order, one flat per dtype.
+
+    A newcomer's first restore copies what its live objects keep (optimizer state:
+    an optimizer holds the tensors it is given, so they cannot be the snapshot's)
+    into fresh memory, and fresh memory costs a page fault per page in the pause.
+    Allocated and written before admission (``State._reserve_for_sync``) from the
+    per-dtype sizes rank 0 publishes, it turns those faults into plain copies.
+    """
+
+    def __init__(self, specs, pin=False):
+        self._flats = {str(d): host_empty(int(n), _dtype(d), pin) for d, n in specs}
+        for f in self._flats.values():
+            f.zero_()
+        self._used = dict.fromkeys(self._flats, 0)
+        self.taken = 0        # tensors copied into the arena (the rest got fresh memory)
+
+    def clone(self, t):
+        """A copy of ``t`` in the arena while it has room for it, else ``host_clone``."""
+        d, n = str(t.dtype), t.numel()
+        flat = self._flats.get(d)
+        if flat is None or t.device.type != "cpu" or self._used[d] + n > flat.numel():
+            return host_clone(t)
+        out = flat[self._used[d]: self._used[d] + n].view(t.shape)
+        self._used[d] += n
+        self.taken += 1
+        return out.copy_(t)
+
+
+def numel_by_dtype(tensors):
+    """[(dtype name, total numel)] of ``tensors``, in order of first appearance."""
+    totals = {}
+    for t in tensors:
+        totals[str(t.dtype)] = totals.get(str(t.dtype), 0) + t.numel()
+    return list(totals.items())
+
+
 _HUGE = 2 << 20                 # a transparent huge page
 _MADV_HUGEPAGE = 14
 _libc = []

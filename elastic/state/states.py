@@ -17,7 +17,7 @@ import torch
 
 from elastic import protocol
 from elastic.state import handlers, transfer
-from elastic.state.snapshot import Snapshot, host_clone, join, pack, split
+from elastic.state.snapshot import Arena, Snapshot, host_clone, join, numel_by_dtype, pack, split
 from elastic.worker import collectives, runtime
 from elastic.worker.waiting import run_blocking
 
@@ -34,8 +34,9 @@ class State:
         self._snapshot = Snapshot()
         self._version = _UNCOMMITTED
         self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0,
-                           "received_into": None}
+                           "received_into": None, "copied_into": None}
         self._published_specs = None
+        self._arena = None       # touched memory for the first restore's copies (Arena)
         self._reserve_for_sync()
 
     # -- subclass hooks -----------------------------------------------------------
@@ -100,8 +101,22 @@ class State:
 
     def restore(self) -> None:
         if not self._snapshot.empty:
-            self.apply(self._snapshot.materialize())
+            tree = self._copies(self._snapshot.materialize(shared=True), self._take_arena())
+            self.apply(tree)
             self._remember_live()
+
+    def _copies(self, tree, clone):
+        """``tree`` (sharing the snapshot's buffers) with every part apply() would keep
+        replaced by a copy made by ``clone``: here every tensor, so the live state never
+        aliases the snapshot; TorchState copies only what its handlers keep."""
+        return _cloned(tree, clone)
+
+    def _take_arena(self):
+        """The clone function for a restore: into the arena once (a newcomer's first
+        restore, after its sync), into fresh memory after that."""
+        arena, self._arena = self._arena, None
+        self.sync_stats["copied_into"] = "arena" if arena is not None else "new"
+        return arena.clone if arena is not None else host_clone
 
     def check_host_updates(self) -> None:
         """One tiny collective, so every rank raises at the same commit: for a new
@@ -155,8 +170,11 @@ class State:
             spec = w.control.get(protocol.Keys.state_spec(type(self).__qualname__))
             if spec and spec.get("flats"):
                 self._snapshot.reserve(spec["flats"], pin=torch.cuda.is_available())
+            if spec and spec.get("copies") and not torch.cuda.is_available():
+                self._arena = Arena(spec["copies"])   # on a GPU the copies go to the device
         except Exception:  # noqa: BLE001 - only an optimization: the sync allocates then
             self._snapshot.drop_reserve()
+            self._arena = None
 
     def _publish_specs(self, w):
         """Rank 0 puts its snapshot's flat specs in the control store when they change
@@ -167,9 +185,12 @@ class State:
         specs = self._snapshot.specs()
         if specs == self._published_specs:
             return
+        kept = []
+        self._copies(self._snapshot.materialize(shared=True), lambda t: kept.append(t) or t)
         try:
             w.control.put(protocol.Keys.state_spec(type(self).__qualname__),
-                          {"flats": [list(x) for x in specs]})
+                          {"flats": [list(x) for x in specs],
+                           "copies": [list(x) for x in numel_by_dtype(kept)]})
             self._published_specs = specs
         except Exception:  # noqa: BLE001 - only an optimization for newcomers
             pass
@@ -183,6 +204,7 @@ class State:
         received straight into theirs (``_receive``): no copy either way."""
         self._version = version
         self._snapshot.drop_reserve()      # not needed (held the commit, or a new layout)
+        self._arena = None
         if self._snapshot.empty:
             self.save()
 
@@ -270,9 +292,9 @@ class ObjectState(State):
             setattr(self, name, copy.deepcopy(value))
 
 
-def _cloned(tree):
+def _cloned(tree, clone=host_clone):
     _skeleton, tensors = split(tree)
-    return join(_skeleton, [host_clone(t) for t in tensors])
+    return join(_skeleton, [clone(t) for t in tensors])
 
 
 class TorchState(ObjectState):
@@ -336,21 +358,21 @@ class TorchState(ObjectState):
             handler.save()
 
     def restore(self):
-        """Load straight from the snapshot where the handler copies out (modules), and
-        from copies elsewhere (an optimizer keeps the tensors it is given)."""
-        if not self._snapshot.empty:
-            tree = self._snapshot.materialize(shared=True)
-            for key in self._ROOTS:
-                if key in tree and not self._shares(key):
-                    tree[key] = _cloned(tree[key])
-            objects = tree["objects"]
-            for name, (kind, value) in objects.items():
-                if not (kind == "state_dict" and self._shares(name)):
-                    objects[name] = (kind, _cloned(value))
-            self.apply(tree)
-            self._remember_live()
+        super().restore()
         for handler in self._horovod.values():
             handler.restore()
+
+    def _copies(self, tree, clone):
+        """Load straight from the snapshot where the handler copies out (modules), and
+        from copies elsewhere (an optimizer keeps the tensors it is given)."""
+        for key in self._ROOTS:
+            if key in tree and not self._shares(key):
+                tree[key] = _cloned(tree[key], clone)
+        objects = tree["objects"]
+        for name, (kind, value) in objects.items():
+            if not (kind == "state_dict" and self._shares(name)):
+                objects[name] = (kind, _cloned(value, clone))
+        return tree
 
     def _shares(self, name):
         handler = handlers.handler_for(getattr(self, name, None))

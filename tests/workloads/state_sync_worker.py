@@ -5,7 +5,8 @@ sync statistics; the test process compares the ranks. Phases:
   initial    every rank seeds its model differently, then syncs from version -1
   newcomer   after 3 joint steps + commits, rank 1 starts over (fresh model,
              empty AdamW state, version -1) and syncs, receiving into the buffers it
-             reserved at construction from rank 0's published spec; then every rank
+             reserved at construction from rank 0's published spec, and loading its
+             optimizer state into the arena reserved with them; then every rank
              changes its live state locally and rolls back (a crash right after the sync)
   noop       all ranks at the same commit: a sync moves nothing
   newest     rank 1 alone holds a newer commit: it is the root
@@ -86,6 +87,9 @@ def summary(state):
         "batch": state.batch,
         "version": state.commit_version,
         "stats": dict(state.sync_stats),
+        "opt_storages": len({v.untyped_storage().data_ptr() for entry in
+                             state.optimizer.state.values() for v in entry.values()
+                             if torch.is_tensor(v)}),
     }
 
 
