@@ -189,6 +189,7 @@ def newcomer_sync_s(state, make_fresh, phases, newcomers=None):
     ph["cpu"] = cpu_s() - c0
     ph["minflt"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0   # page faults
     ph["received_into"] = state.sync_stats.get("received_into")
+    ph["copied_into"] = state.sync_stats.get("copied_into")
     return state, dt, ph
 
 
