@@ -118,7 +118,7 @@ class Phases:
         self.t[key] = self.t.get(key, 0.0) + dt
 
     def watch(self, state):
-        for name in ("apply", "save"):
+        for name in ("restore", "apply", "save"):
             orig = getattr(state, name)
 
             def wrapped(*a, _orig=orig, _name=name, **k):
