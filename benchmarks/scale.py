@@ -215,9 +215,15 @@ def measure(n, steady_s=10.0, timeout=None, processes=None):
             def change(what, size, act):
                 nonlocal last
                 t, sims, driver = time.monotonic(), run.sim_cpu(), cpu_seconds(run.driver.pid)
+                wall = time.time()
                 act()
                 event, seen = run.wait_assembled(size, last, timeout)
                 out[f"{what}_s"] = seen - t
+                out[f"{what}_published_s"] = run.current_round()["time"] - wall
+                ready = [e["time"] for e in run.events() if e["event"] == "worker_ready"
+                         and e["time"] >= wall]
+                if ready:                      # a newcomer registered before the plan
+                    out[f"{what}_ready_s"] = max(ready) - wall
                 out[f"{what}_assembly_s"] = event["seconds"]
                 # On a cluster each worker's part runs on its own machine; here all of
                 # them share this machine's cores with the driver.

@@ -60,8 +60,7 @@ class Worker:
     beats_on_own_thread = True    # make scale beats for many workers from one thread
 
     def __init__(self, environ=None):
-        """``environ``: the job's variables (os.environ); ``make scale`` runs many
-        workers in one process, each with its own."""
+        """``environ``: the job's variables (make scale runs many workers per process)."""
         env = os.environ if environ is None else environ
         driver_pid = env.get(control.ENV_DRIVER_PID)
         if driver_pid and os.getppid() != int(driver_pid):
@@ -121,8 +120,7 @@ class Worker:
         return self.placement is not None and self.placement.wait_mode == "poll"
 
     def abort_device_group(self):
-        """Abort this round's NCCL communicators: a stream blocked on a dead peer
-        would otherwise hang the next CUDA synchronisation."""
+        """Abort this round's NCCL communicators (a stream blocked on a dead peer hangs)."""
         if self.device_group is not None and self.device_group.abortable:
             from elastic.worker import nccl
             nccl.abort(self.device_group.group)
@@ -289,15 +287,19 @@ class Worker:
         """Put our sealed arrival and wait for the driver's word that every member
         arrived; False if the round was aborted or replaced first.
 
-        In a small round (``member_ids`` given) the members' arrivals are also
-        looked at directly, which saves the driver's tick on the way (the pause
-        of a 4-worker job); in a big one that would be O(n) per look per worker."""
+        In a small round (``member_ids`` given) the members' arrivals are also looked at
+        directly, saving the driver's tick (a 4-worker job's pause); in a big one that
+        would be O(n) per look per worker."""
         keys = [Keys.joined(round_id, w) for w in member_ids or ()]
         self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
         control.Doorbell(self.control, Keys.arrivals(round_id)).ring(self.worker_id)
-        began = time.monotonic()
+        # Kept values just written or read by the driver: no heal, and in a big round no
+        # look either, until a pause has passed (the store's busiest moment).
+        began = self._healed_at = time.monotonic()
         self.progress.begin_wait(f"round {round_id} assembly", round_id)
         looked = began
+        if not keys:
+            time.sleep(control.poll_pause(size, 0))
         while True:
             if keys and len(self.control.get_present(keys)) == len(keys):
                 return True
