@@ -266,12 +266,16 @@ def _whole_plan_bytes(members):
 
 
 def print_cpu_table(rows):
-    print("| N | change | change → assembled | of which the round's assembly | CPU used "
-          "meanwhile: driver / simulated workers (cores: " f"{os.cpu_count()}) |")
-    print("|---|---|---|---|---|")
+    print("| N | change | change → assembled | change → plan published | the round's "
+          "assembly | store requests per worker to join (median) | CPU used meanwhile: "
+          f"driver / simulated workers (cores: {os.cpu_count()}) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         for what in ("join", "leave", "crash"):
-            print(f"| {r['n']} | {what} | {r[what + '_s']:.2f} s | {r[what + '_assembly_s']:.2f} s "
+            joins = r.get(what + "_joins") or {}
+            print(f"| {r['n']} | {what} | {r[what + '_s']:.2f} s | "
+                  f"{r[what + '_published_s']:.2f} s | {r[what + '_assembly_s']:.2f} s "
+                  f"| {joins.get('requests_median', 0):.0f} "
                   f"| {r[what + '_driver_cpu_s']:.2f} s / {r[what + '_sim_cpu_s']:.2f} s |")
 
 
