@@ -54,3 +54,50 @@ def test_members_of_a_big_round_read_only_their_own_entry(monkeypatch, tmp_path)
     assert keys.count(Keys.plan(2)) == 0 and keys.count(Keys.plan(4)) == 0, read
     assert keys.count(Keys.plan(3)) <= 1, read
     assert len(keys) == keys.count(Keys.plan(3)), read
+
+
+def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal():
+    """After its arrival, a member of a big round neither looks for the driver's word
+    nor heals its kept values for a pause: the arrivals of every other member are
+    landing in the store then. A fake clock makes the order exact."""
+    import types
+
+    from benchmarks.scale_sim import SimWorker
+    from elastic import protocol
+    from elastic.control_store import ControlStore, listen
+    from elastic.protocol import Keys
+    from elastic.worker import runtime
+
+    size = 4096
+    server = listen("127.0.0.1", 30)
+    env = {protocol.ENV_ADDR: "127.0.0.1", protocol.ENV_PORT: str(server.port),
+           protocol.ENV_SECRET: "s" * 32, protocol.ENV_WORKER_ID: "7"}
+    pool = [protocol.connect("127.0.0.1", server.port, 30)]
+    driver = ControlStore(protocol.connect("127.0.0.1", server.port, 30), "s" * 32)
+    w = SimWorker(env, pool)
+    w._size_hint = size
+    w.control.heal()                      # nothing kept yet: sets no clock either
+    log, clock = [], [1000.0]
+
+    def sleep(s):
+        log.append(("sleep", round(s, 3)))
+        clock[0] += s
+        if len(log) > 2:                  # the driver answers after the first looks
+            driver.put(Keys.assembled(5), {"round": 5, "ok": True})
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep)
+    real_get, real_heal = w.control.get, w.control.heal
+    w.control.get = lambda key: (log.append(("look", key)), real_get(key))[1]
+    w.control.heal = lambda: (log.append(("heal",)), real_heal())[1]
+    saved = runtime.time
+    runtime.time = fake_time
+    try:
+        assert w._assemble(5, size, deadline=clock[0] + 600) is True
+    finally:
+        runtime.time = saved
+        w.stop()
+    pause = round(protocol.poll_pause(size, 0), 3)
+    assert log[0] == ("sleep", pause), log           # nothing before the first pause
+    assert log[1] == ("look", Keys.assembled(5)), log
+    heals = [i for i, e in enumerate(log) if e == ("heal",)]
+    slept = [sum(e[1] for e in log[:i] if e[0] == "sleep") for i in heals]
+    assert all(s >= protocol.backstop_pause(size) for s in slept), log
