@@ -56,7 +56,8 @@ def test_members_of_a_big_round_read_only_their_own_entry(monkeypatch, tmp_path)
     assert len(keys) == keys.count(Keys.plan(3)), read
 
 
-def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal():
+
+def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal(monkeypatch):
     """After its arrival, a member of a big round neither looks for the driver's word
     nor heals its kept values for a pause: the arrivals of every other member are
     landing in the store then. A fake clock makes the order exact."""
@@ -68,36 +69,40 @@ def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal():
     from elastic.protocol import Keys
     from elastic.worker import runtime
 
-    size = 4096
+    size, secret = 4096, "s" * 32
     server = listen("127.0.0.1", 30)
     env = {protocol.ENV_ADDR: "127.0.0.1", protocol.ENV_PORT: str(server.port),
-           protocol.ENV_SECRET: "s" * 32, protocol.ENV_WORKER_ID: "7"}
-    pool = [protocol.connect("127.0.0.1", server.port, 30)]
-    driver = ControlStore(protocol.connect("127.0.0.1", server.port, 30), "s" * 32)
-    w = SimWorker(env, pool)
-    w._size_hint = size
-    w.control.heal()                      # nothing kept yet: sets no clock either
+           protocol.ENV_SECRET: secret, protocol.ENV_WORKER_ID: "7",
+           protocol.ENV_SIZE: str(size)}
+    driver = ControlStore(protocol.connect("127.0.0.1", server.port, 30), secret)
+    driver.put(Keys.member(5, "7"), {"worker_id": "7", "host": "sim-7", "rank": 7,
+                                     "size": size, "local_rank": 0, "local_size": 1,
+                                     "cross_rank": 7, "cross_size": size})
+    monkeypatch.setattr(runtime.Membership, "export", lambda self: None)   # keep os.environ
+    w = SimWorker(env, [protocol.connect("127.0.0.1", server.port, 30)])
+    w.learn_latest(5)                     # as the commit's collective tells it
     log, clock = [], [1000.0]
 
     def sleep(s):
         log.append(("sleep", round(s, 3)))
         clock[0] += s
-        if len(log) > 2:                  # the driver answers after the first looks
+        if len(log) > 3:                  # the driver answers after the first looks
             driver.put(Keys.assembled(5), {"round": 5, "ok": True})
-    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep)
     real_get, real_heal = w.control.get, w.control.heal
-    w.control.get = lambda key: (log.append(("look", key)), real_get(key))[1]
-    w.control.heal = lambda: (log.append(("heal",)), real_heal())[1]
-    saved = runtime.time
-    runtime.time = fake_time
+    monkeypatch.setattr(w.control, "get", lambda key: (log.append(("look", key)),
+                                                       real_get(key))[1])
+    monkeypatch.setattr(w.control, "heal", lambda: (log.append(("heal",)), real_heal())[1])
+    monkeypatch.setattr(runtime, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], sleep=sleep))
     try:
-        assert w._assemble(5, size, deadline=clock[0] + 600) is True
+        membership = w.join_next_round()
     finally:
-        runtime.time = saved
         w.stop()
+    assert (membership.rank, membership.size) == (7, size)
     pause = round(protocol.poll_pause(size, 0), 3)
-    assert log[0] == ("sleep", pause), log           # nothing before the first pause
-    assert log[1] == ("look", Keys.assembled(5)), log
+    # Its own entry, then its arrival (a put and a ring), then nothing for a pause.
+    assert log[:3] == [("look", Keys.member(5, "7")), ("sleep", pause),
+                       ("look", Keys.assembled(5))], log
     heals = [i for i, e in enumerate(log) if e == ("heal",)]
     slept = [sum(e[1] for e in log[:i] if e[0] == "sleep") for i in heals]
     assert all(s >= protocol.backstop_pause(size) for s in slept), log
