@@ -171,10 +171,7 @@ class Snapshot:
         specs = [(str(d), int(n)) for d, n in specs]
         if self._reserve is not None and self._reserve[0] == specs:
             return
-        flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
-        for f in flats:
-            f.zero_()
-        self._reserve = (specs, flats)
+        self._reserve = (specs, touched_flats(specs, pin))
 
     @property
     def reserved(self):
@@ -261,14 +258,13 @@ class Arena:
     A newcomer's first restore copies what its live objects keep (optimizer state:
     an optimizer holds the tensors it is given, so they cannot be the snapshot's)
     into fresh memory, and fresh memory costs a page fault per page in the pause.
-    Allocated and written before admission (``State._reserve_for_sync``) from the
+    Allocated and written before admission (a State built while a job runs) from the
     per-dtype sizes rank 0 publishes, it turns those faults into plain copies.
     """
 
-    def __init__(self, specs, pin=False):
-        self._flats = {str(d): host_empty(int(n), _dtype(d), pin) for d, n in specs}
-        for f in self._flats.values():
-            f.zero_()
+    def __init__(self, specs):
+        specs = [(str(d), int(n)) for d, n in specs]
+        self._flats = dict(zip((d for d, _n in specs), touched_flats(specs)))
         self._used = dict.fromkeys(self._flats, 0)
         self.taken = 0        # tensors copied into the arena (the rest got fresh memory)
 
@@ -282,6 +278,14 @@ class Arena:
         self._used[d] += n
         self.taken += 1
         return out.copy_(t)
+
+
+def touched_flats(specs, pin=False):
+    """One flat per (dtype name, numel) of ``specs``, every page written once."""
+    flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
+    for f in flats:
+        f.zero_()
+    return flats
 
 
 def numel_by_dtype(tensors):
