@@ -19,7 +19,7 @@ Sections (worker scripts in this folder):
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
 BENCH_ONLY=steady,commit,... runs a subset (written to results-partial.md, so the full
-table stays); BENCH_QUICK=1 uses fewer repeats.
+table stays); BENCH_QUICK=1 uses fewer repeats; BENCH_STEADY_REPS sets the steady ones.
 """
 
 import json

@@ -219,11 +219,9 @@ def measure(n, steady_s=10.0, timeout=None, processes=None):
                 act()
                 event, seen = run.wait_assembled(size, last, timeout)
                 out[f"{what}_s"] = seen - t
-                out[f"{what}_published_s"] = run.current_round()["time"] - wall
-                ready = [e["time"] for e in run.events() if e["event"] == "worker_ready"
-                         and e["time"] >= wall]
-                if ready:                      # a newcomer registered before the plan
-                    out[f"{what}_ready_s"] = max(ready) - wall
+                started = run.current_round()      # the newest round_started line
+                out[f"{what}_published_s"] = (started["time"] - wall
+                                              if started["round"] == event["round"] else None)
                 out[f"{what}_assembly_s"] = event["seconds"]
                 # On a cluster each worker's part runs on its own machine; here all of
                 # them share this machine's cores with the driver.
@@ -265,6 +263,11 @@ def _whole_plan_bytes(members):
     return len(json.dumps({"round": 1, "members": full}, sort_keys=True))
 
 
+def secs(x):
+    """``x`` seconds, or "—" when not measured (a newer round started meanwhile)."""
+    return "—" if x is None else f"{x:.2f} s"
+
+
 def print_cpu_table(rows):
     print("| N | change | change → assembled | change → plan published | the round's "
           "assembly | store requests per worker to join (median) | CPU used meanwhile: "
@@ -274,7 +277,7 @@ def print_cpu_table(rows):
         for what in ("join", "leave", "crash"):
             joins = r.get(what + "_joins") or {}
             print(f"| {r['n']} | {what} | {r[what + '_s']:.2f} s | "
-                  f"{r[what + '_published_s']:.2f} s | {r[what + '_assembly_s']:.2f} s "
+                  f"{secs(r[what + '_published_s'])} | {r[what + '_assembly_s']:.2f} s "
                   f"| {joins.get('requests_median', 0):.0f} "
                   f"| {r[what + '_driver_cpu_s']:.2f} s / {r[what + '_sim_cpu_s']:.2f} s |")
 
