@@ -26,6 +26,13 @@ Typical use, one line next to the optimizer::
 Registering it as a reset callback refreshes :attr:`factor` (handy for logging)
 at each membership change; the factor is also refreshed at every step, so the
 scaled lr is right even without the callback.
+
+``rule="adascale"`` measures the factor instead (:mod:`elastic.training.adascale`):
+the gain r from the gradients' variance, at S = world size x accumulation steps.
+Every rule counts :attr:`progress` in scale-invariant iterations (the factor of each
+step, summed); ``drive(scheduler)`` steps a schedule written for one worker on it.
+Give the scaler to the state (``TorchState(..., scaler=scaler)``) so that its
+estimates and progress are committed, restored, synced and checkpointed.
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ import math
 import weakref
 from typing import Callable
 
+from elastic.training.adascale import GainEstimator, GradientNorms
 from elastic.worker import runtime
+
+ADASCALE = "adascale"
 
 RULES = {
     "linear": lambda size: float(size),
@@ -51,22 +61,29 @@ def _inner_optimizer(optimizer):
 
 def scale_factor(size: int, base_size: int, rule: str | Callable = "linear") -> float:
     """``f(size) / f(base_size)`` for a rule name in :data:`RULES` or a callable ``f``."""
+    if rule == ADASCALE:
+        raise ValueError("the adascale factor comes from the gradients, not the size: "
+                         "use LRScaler(..., rule='adascale')")
     f = RULES.get(rule) if isinstance(rule, str) else rule
     if f is None or not callable(f):
-        raise ValueError(f"unknown lr scaling rule {rule!r}; use one of {sorted(RULES)} "
-                         "or a callable size -> multiplier")
+        raise ValueError(f"unknown lr scaling rule {rule!r}; use one of "
+                         f"{sorted(RULES) + [ADASCALE]} or a callable size -> multiplier")
     if int(size) < 1 or int(base_size) < 1:
         raise ValueError(f"sizes must be >= 1, got size={size} base_size={base_size}")
     return float(f(int(size))) / float(f(int(base_size)))
 
 
 class LRScaler:
-    """Scales every param group's lr by ``f(size) / f(base_size)`` during ``step()``.
+    """Scales every param group's lr by the rule's factor during ``step()``.
 
     ``optimizer``: a torch optimizer or an ``elastic.DistributedOptimizer``.
-    ``base_size``: the world size for which the configured lrs are right.
-    ``rule``: ``"linear"``, ``"sqrt"``, ``"none"`` or a callable ``size -> multiplier``.
+    ``base_size``: the world size for which the configured lrs are right (for
+    ``"adascale"``: the number of worker batches, world size x accumulation steps).
+    ``rule``: ``"linear"``, ``"sqrt"``, ``"none"``, ``"adascale"`` or a callable
+    ``size -> multiplier``, giving ``f(size) / f(base_size)``.
     ``size_fn``: where the current world size comes from (default ``elastic.size``).
+    ``accumulation``: backward passes per step, for ``"adascale"`` (default: the
+    DistributedOptimizer's ``backward_passes_per_step``, else 1).
 
     The instance is callable with no arguments, so it can be passed to
     ``state.register_reset_callbacks``. ``group["lr"]`` keeps the unscaled value;
@@ -77,33 +94,96 @@ class LRScaler:
     _attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, optimizer, base_size: int, rule: str | Callable = "linear",
-                 size_fn: Callable[[], int] | None = None):
+                 size_fn: Callable[[], int] | None = None, accumulation: int | None = None):
         self.base_size = int(base_size)
         self.rule = rule
         self._size_fn = size_fn or runtime.size
+        self._wrapper = optimizer
         self._opt = _inner_optimizer(optimizer)
         if self._opt in LRScaler._attached:
             raise RuntimeError("this optimizer already has an LRScaler; remove() it first")
+        self._accumulation = accumulation
+        self.estimator = GainEstimator(base_size) if rule == ADASCALE else None
+        self.progress = 0.0     # scale-invariant iterations: the sum of each step's factor
+        self.steps = 0
+        self._driven = []       # [(scheduler, every)] stepped on progress
         self.size = None
         self.factor = 1.0
         self.update()   # validates rule and sizes before any hook is installed
         self._swapped = None   # [(group, unscaled, scaled)] while a step is running
         self._handles = [self._opt.register_step_pre_hook(self._before_step),
                          self._opt.register_step_post_hook(self._after_step)]
+        if self.estimator is not None and optimizer is not self._opt:
+            optimizer.gradient_observer = GradientNorms(self.observe)   # DistributedOptimizer
         LRScaler._attached[self._opt] = self
+
+    @property
+    def gain(self) -> float:
+        """The factor of the current scale: adascale's r, or the fixed rule's multiplier."""
+        return self.factor
+
+    def passes(self) -> int:
+        """Backward passes per step (accumulation), as adascale counts the scale."""
+        if self._accumulation is not None:
+            return int(self._accumulation)
+        return int(getattr(self._wrapper, "backward_passes_per_step", 1) or 1)
 
     def update(self) -> float:
         """Read the current world size and recompute :attr:`factor`. Returns the factor."""
         self.size = int(self._size_fn())
-        self.factor = scale_factor(self.size, self.base_size, self.rule)
+        if self.estimator is None:
+            self.factor = scale_factor(self.size, self.base_size, self.rule)
+        else:
+            if self.size < 1 or self.passes() < 1:
+                raise ValueError(f"sizes must be >= 1, got size={self.size} "
+                                 f"accumulation={self.passes()}")
+            self.factor = self.estimator.gain(self.size, self.passes())
         return self.factor
 
     __call__ = update   # a reset callback
+    reset = update      # what TorchState calls on a membership change
+
+    def observe(self, local_sq_sum: float, reduced_sq: float, workers: int | None = None) -> bool:
+        """Feed adascale one step's gradient norms: the sum over workers of each one's
+        squared local norm, and the squared norm of their mean. A DistributedOptimizer
+        does this by itself; call it when gradients are reduced some other way."""
+        if self.estimator is None:
+            raise ValueError(f"observe() is for rule='adascale', not {self.rule!r}")
+        workers = int(self._size_fn()) if workers is None else int(workers)
+        return self.estimator.observe(local_sq_sum, reduced_sq, workers, self.passes())
+
+    def drive(self, scheduler, every: float = 1.0):
+        """Step ``scheduler`` (LambdaLR, CosineAnnealingLR, StepLR...) once per ``every``
+        scale-invariant iterations instead of once per step, so a schedule written in
+        single-worker iterations holds at any scale. Put the scheduler in the state too.
+        Returns the scheduler."""
+        if not hasattr(scheduler, "last_epoch") or not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"drive() needs an lr scheduler with last_epoch, not {scheduler!r}")
+        if not every > 0:
+            raise ValueError(f"every must be > 0, not {every!r}")
+        self._driven.append((scheduler, float(every)))
+        return scheduler
 
     def scaled_lrs(self) -> list:
         """The lr of each param group as the optimizer uses it at the current size."""
-        factor = scale_factor(int(self._size_fn()), self.base_size, self.rule)
+        factor = self.update() if self.estimator is not None else scale_factor(
+            int(self._size_fn()), self.base_size, self.rule)
         return [group["lr"] * factor for group in self._opt.param_groups]
+
+    def state_dict(self) -> dict:
+        """Progress and adascale's estimates: what a commit or a checkpoint keeps."""
+        state = {"rule": self.rule if isinstance(self.rule, str) else "callable",
+                 "progress": self.progress, "steps": self.steps}
+        if self.estimator is not None:
+            state["estimator"] = self.estimator.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.progress = float(state["progress"])
+        self.steps = int(state["steps"])
+        if self.estimator is not None and "estimator" in state:
+            self.estimator.load_state_dict(state["estimator"])
+        self.update()
 
     def remove(self) -> None:
         """Detach from the optimizer; its lrs are then used unscaled again."""
@@ -111,6 +191,8 @@ class LRScaler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._wrapper is not self._opt and "gradient_observer" in vars(self._wrapper):
+            self._wrapper.gradient_observer = None
         if LRScaler._attached.get(self._opt) is self:
             del LRScaler._attached[self._opt]
 
@@ -136,3 +218,8 @@ class LRScaler:
 
     def _after_step(self, optimizer, args, kwargs):
         self._restore()
+        self.progress += self.factor
+        self.steps += 1
+        for scheduler, every in self._driven:
+            while scheduler.last_epoch < int(self.progress // every):
+                scheduler.step()

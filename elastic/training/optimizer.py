@@ -94,6 +94,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cycle_open = self._synchronized = self._skip = self._no_sync = False
         self._error = None
         self.wire_bytes = 0
+        # sees each bucket as it leaves and all of them reduced (LRScaler's adascale rule)
+        self.gradient_observer = None
         self._register_hooks()
 
     def __getattr__(self, name):
@@ -251,6 +253,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._launch_in_order(all_ready=True)
                 for bucket in self._buckets:
                     self._finish(bucket)
+                if self.gradient_observer is not None:
+                    self.gradient_observer.reduced([b.flat for b in self._buckets], self._op)
             except WorkersDepartedError:
                 self._end_cycle(drop_buffers=True)
                 raise
@@ -414,6 +418,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     wire, bucket.ctxs[i] = self._compression.compress(grad)
                     view.copy_(wire.view(view.shape))
+        if self.gradient_observer is not None:
+            self.gradient_observer.local(bucket.flat, bucket.index, len(self._buckets))
         if self._predivide != 1.0 and self._round:   # not standalone (round 0)
             bucket.flat.div_(self._predivide)
         self.wire_bytes += bucket.flat.numel() * bucket.flat.element_size()
