@@ -34,6 +34,7 @@ ENV_DRIVER_PID = "ELASTIC_DRIVER_PID"        # local workers exit if their paren
 ENV_ROUND_TIMEOUT = "ELASTIC_ROUND_TIMEOUT"  # seconds a worker waits for its next round
 ENV_HEARTBEAT_INTERVAL = "ELASTIC_HEARTBEAT_INTERVAL"
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"  # --checkpoint-dir, for every TorchState
+ENV_ERROR_DIR = "ELASTIC_ERROR_DIR"          # a worker's uncaught exception: DIR/worker.<id>/error.json
 
 # -- environment a user or a test may set ---------------------------------------------------
 ENV_STORE_TIMEOUT = "ELASTIC_STORE_TIMEOUT"

@@ -6,6 +6,7 @@ start before the next change, and the job trains to the end.
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -13,6 +14,9 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+ROUND_LINE = re.compile(r"^elasticrun: (?:\S+ \S+ )?round \d+: (\d+) workers")
 
 
 def main():
@@ -42,8 +46,9 @@ def main():
         for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             print(line, flush=True)
-            if line.startswith("elasticrun: round "):
-                rounds.append(line)
+            found = ROUND_LINE.search(line)
+            if found:
+                rounds.append(found.group(1))
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -62,7 +67,7 @@ def main():
         set_hosts("127.0.0.1:2")
     code = proc.wait(timeout=600)
     reader.join(5)
-    sizes = [line.split(":")[2].split()[0] for line in rounds]
+    sizes = rounds
     print(f"demo: elasticrun exited {code}; world sizes by round: {' -> '.join(sizes)}", flush=True)
     return code
 

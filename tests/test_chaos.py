@@ -35,7 +35,7 @@ EVENTS_PER_RUN = 4
 EFFECT_WAIT_S = 90
 SETTLE_WAIT_S = 180
 SEEDS = [int(os.environ["CHAOS_SEED"])] if os.environ.get("CHAOS_SEED") else [101, 202, 303]
-_ROUND_LINE = re.compile(r"^elasticrun: round (\d+): (\d+) workers", re.M)
+_ROUND_LINE = re.compile(r"^elasticrun: (?:\S+ \S+ )?round (\d+): (\d+) workers", re.M)
 
 
 

@@ -28,7 +28,8 @@ def test_event_log_records_rounds_failures_pauses_and_progress(tmp_path):
     assert pause["round"] == 2 and 0 < pause["seconds"] < 120
     assert [e["worker"] for e in events if e["event"] == "worker_ready"].__len__() == 4
     # One console line per change, with the pause in it.
-    lines = [line for line in job.output().splitlines() if line.startswith("elasticrun: round 2:")]
+    lines = [line for line in job.output().splitlines()
+             if line.startswith("elasticrun: ") and " round 2: " in line]
     assert len(lines) == 1 and "training paused" in lines[0], job.output()
 
     png = tmp_path / "timeline.png"

@@ -32,7 +32,7 @@ import cloudpickle
 
 from elastic.exceptions import ElasticError
 from elastic.launching.worker import ERRORS
-from elastic.streams import pump_lines, read_json_lines
+from elastic.streams import pump_output, read_json_lines
 
 RESULTS = "results"
 STDERR_TAIL_LINES = 20
@@ -47,12 +47,13 @@ class LaunchError(ElasticError):
     Attributes (None when unknown): ``worker`` (worker id), ``host``, ``rank``,
     ``exit_code`` (elasticrun's), ``error_line`` (elasticrun's one-line error),
     ``exc_type`` and ``exc_message`` (what the function raised), ``remote_traceback``,
-    ``stderr_tail`` (the last lines of that worker's stderr).
+    ``stderr_tail`` (the last lines of that worker's stderr), ``failed_at`` (when it
+    raised, as time.time()), ``root_cause`` (elasticrun's root-cause block, lines).
     """
 
     def __init__(self, message, *, worker=None, host=None, rank=None, exit_code=None,
                  error_line=None, exc_type=None, exc_message=None, remote_traceback=None,
-                 stderr_tail=None):
+                 stderr_tail=None, failed_at=None, root_cause=None):
         super().__init__(message)
         self.worker = worker
         self.host = host
@@ -63,6 +64,8 @@ class LaunchError(ElasticError):
         self.exc_message = exc_message
         self.remote_traceback = remote_traceback
         self.stderr_tail = stderr_tail
+        self.failed_at = failed_at
+        self.root_cause = root_cause
 
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int = 1,
@@ -278,10 +281,10 @@ def run_elasticrun(argv, env, timeout, quiet):
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     errors = collections.deque(maxlen=_OUTPUT_TAIL_LINES)
-    pumps = [threading.Thread(target=pump_lines,
+    pumps = [threading.Thread(target=pump_output,
                               args=(proc.stdout, _pass_through("stdout", quiet, None)),
                               daemon=True),
-             threading.Thread(target=pump_lines,
+             threading.Thread(target=pump_output,
                               args=(proc.stderr, _pass_through("stderr", quiet, errors)),
                               daemon=True)]
     for pump in pumps:
@@ -312,11 +315,11 @@ def _pass_through(name, quiet, keep):
     def handle(raw):
         line = raw.decode("utf-8", "replace")
         if keep is not None:
-            keep.append(line.rstrip("\n"))
+            keep.append(line)
         if not quiet:
             target = sys.stdout if name == "stdout" else sys.stderr
             try:
-                target.write(line)
+                target.write(line + "\n")
                 target.flush()
             except (OSError, ValueError):
                 pass
@@ -413,7 +416,21 @@ class Outcome:
         return LaunchError(
             "\n".join(lines), worker=wid, host=host, rank=record.get("rank"), exit_code=code,
             error_line=error_line, exc_type=record.get("type"), exc_message=record.get("message"),
-            remote_traceback=record.get("traceback"), stderr_tail=tail)
+            remote_traceback=record.get("traceback"), stderr_tail=tail,
+            failed_at=record.get("time"), root_cause=self.root_cause() or None)
+
+    def root_cause(self):
+        """elasticrun's root-cause block: from its first line to the error line."""
+        start = next((i for i, line in enumerate(self.driver_log) if " root cause" in line
+                      and ": worker " in line), None)
+        if start is None:
+            return []
+        block = [self.driver_log[start]]
+        for line in self.driver_log[start + 1:]:
+            if not line.startswith("elasticrun:   "):
+                break
+            block.append(line)
+        return block
 
     def _final_round(self):
         finished = [e for e in self.events if e.get("event") == "job_finished"]

@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import sys
+import time
 import traceback
 
 from elastic import protocol
@@ -52,6 +53,7 @@ def _record_error(results_dir, exc):
         "worker": _worker_id(),
         "host": os.environ.get(protocol.ENV_HOSTNAME) or socket.gethostname(),
         "rank": rank,
+        "time": time.time(),
         "type": type(exc).__qualname__,
         "message": message if len(message) <= 2000 else message[:1997] + "...",
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),

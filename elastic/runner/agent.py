@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastic import protocol
+from elastic import protocol, streams
 from elastic.exceptions import ElasticError
 from elastic.protocol import AgentKeys, ControlError, ControlStore
 from elastic.runner import launcher
@@ -38,7 +38,8 @@ ACCEPT_WAIT_S = 30.0
 FLUSH_WAIT_S = 5.0          # a drained agent waits this long for the driver to read its last reports
 DRIVER_LOST_FAILURES = 6    # consecutive failed heartbeats (about 3 s) before giving up
 MAX_REPORT_LINES = 2000
-MAX_LINE_CHARS = 8192
+MAX_LINE_CHARS = 8192           # a longer line reaches the driver cut and marked
+MAX_QUEUED_LINES = 10 * MAX_REPORT_LINES   # beyond this, lines wait in no queue: dropped, counted
 
 
 class AgentFailed(ElasticError):
@@ -79,10 +80,21 @@ class _Outbox:
         self._lock = threading.Lock()
         self._out = []
         self._exits = []
+        self._dropped = {}         # (worker_id, stream) -> lines dropped while the queue was full
 
     def line(self, worker_id, name, raw):
-        text = raw.decode("utf-8", "replace").rstrip("\n")[:MAX_LINE_CHARS]
+        text = raw.decode("utf-8", "replace")
+        if len(text) > MAX_LINE_CHARS:
+            text = text[:MAX_LINE_CHARS] + streams.CUT_MARK.format(limit=MAX_LINE_CHARS)
         with self._lock:
+            if len(self._out) >= MAX_QUEUED_LINES:
+                key = (worker_id, name)
+                self._dropped[key] = self._dropped.get(key, 0) + 1
+                return
+            for (wid, stream), count in self._dropped.items():
+                self._out.append([wid, stream, f"[elastic: {count} lines dropped: the driver "
+                                               "did not read them fast enough]"])
+            self._dropped.clear()
             self._out.append([worker_id, name, text])
 
     def exited(self, worker_id, code):

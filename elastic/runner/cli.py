@@ -1,6 +1,9 @@
 """``elasticrun``: parse and check the command line, then run the job.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
+Everything from the training command on is the command's own: the command line
+is split there before our flags are parsed, so ``python train.py --n 3`` never
+reaches argparse (whose prefix matching would take ``--n`` for one of ours).
 """
 
 import argparse
@@ -9,11 +12,13 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 
-from elastic import protocol
+from elastic import __version__, protocol
 from elastic.exceptions import ElasticError
-from elastic.runner import horovod_flags, launcher, serve
+from elastic.runner import config_file, dry_run, horovod_flags, launcher, serve
 from elastic.runner.agent import run_agent
+from elastic.runner.console import Console
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
 from elastic.runner.driver import JobConfig, run_job
 
@@ -28,7 +33,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    p = _Parser(prog="elasticrun", description="Run an elastic PyTorch data-parallel job.")
+    p = _Parser(prog="elasticrun", description="Run an elastic PyTorch data-parallel job.",
+                usage="elasticrun [OPTIONS] COMMAND [ARGS ...]")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    p.add_argument("--config-file", metavar="FILE",
+                   help="YAML file of settings: elasticrun's flags by long name and "
+                        "horovodrun's config keys; the command line wins")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (hosts, slots, first round, where the control "
+                        "store listens) and exit without starting anything")
     p.add_argument("-np", "--num-proc", dest="np", type=int,
                    help="start once this many slots are available")
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
@@ -59,7 +72,13 @@ def build_parser():
                    help="evict a rank that made no progress while its peers waited on it "
                         "in a collective this many seconds (default 600)")
     p.add_argument("--output-filename", dest="output_dir",
-                   help="directory for per-worker stdout/stderr files")
+                   help="directory for per-worker stdout/stderr files (and error.json)")
+    p.add_argument("--timestamp-output", "--prefix-output-with-timestamp",
+                   dest="timestamp_output", action="store_true",
+                   help="prefix each worker line on the console with the time it arrived")
+    p.add_argument("--output-ranks", metavar="RANKS",
+                   help="show only the console output of these ranks (e.g. 0 or 0,2-3) "
+                        "in the current round; files keep everything")
     p.add_argument("-p", "--ssh-port", type=int,
                    help="ssh port of the hosts that are not local (default: ssh's own)")
     p.add_argument("-i", "--ssh-identity-file",
@@ -99,7 +118,9 @@ def build_parser():
                    help="with --join: this host's name in the job (default: the hostname)")
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="with --join: how long to wait for the driver to listen (default 60)")
-    p.add_argument("--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--log-hide-timestamp", action="store_true",
+                   help="driver lines without their timestamp")
     p.add_argument("--log-level", default=None,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     horovod_flags.add_to(p)
@@ -144,7 +165,7 @@ def config_from_args(args):
     if np < min_np:
         raise UsageError(f"-np {np} is smaller than --min-np {min_np}")
     for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout",
-                 "join_timeout", "stop_timeout", "stall_timeout"):
+                 "join_timeout", "stop_timeout"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -163,6 +184,8 @@ def config_from_args(args):
     try:
         start_timeout = horovod_flags.start_timeout(args, os.environ)
         extra_env = horovod_flags.fusion_env(args)
+        stall_timeout = horovod_flags.stall_timeout(args)
+        output_ranks(args.output_ranks)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -208,7 +231,7 @@ def config_from_args(args):
         discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
         worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
-        stop_timeout=args.stop_timeout, stall_timeout=args.stall_timeout,
+        stop_timeout=args.stop_timeout, stall_timeout=stall_timeout,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
         extra_env={**extra_env, **({protocol.ENV_CHECKPOINT_DIR: os.path.abspath(
@@ -216,6 +239,70 @@ def config_from_args(args):
         start_timeout=start_timeout,
         **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )
+
+
+def output_ranks(text):
+    """``--output-ranks 0,2-3`` as a set of ranks (None when not given)."""
+    if text is None:
+        return None
+    ranks = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if hi else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            ranks.update(range(first, last + 1))
+    except ValueError:
+        raise UsageError(f"--output-ranks {text!r}: expected ranks such as 0 or 0,2-3") \
+            from None
+    return ranks
+
+
+def split_command(parser, argv):
+    """``(our flags, the training command)``: the command starts at the first word
+    that is neither a flag of ours nor a flag's value, or after ``--``. A flag we
+    do not know stays on our side, so argparse names it."""
+    options = parser._option_string_actions
+    longs = [o for o in options if o.startswith("--")]
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1:]
+        if not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        name, has_value, _ = word.partition("=")
+        action = options.get(name)
+        if action is None and name.startswith("--"):
+            matches = [o for o in longs if o.startswith(name)]
+            action = options[matches[0]] if len(matches) == 1 else None
+        i += 1
+        if action is not None and not has_value:
+            nargs = action.nargs
+            i += 0 if nargs == 0 else nargs if isinstance(nargs, int) else 1
+    return argv, []
+
+
+def parse(argv):
+    """The parsed arguments; ``args.command`` is the training command, untouched."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, command = split_command(parser, argv)
+    args = parser.parse_args(ours)
+    if args.config_file:
+        try:
+            from_file = config_file.to_argv(args.config_file, parser._option_string_actions)
+        except config_file.ConfigFileError as exc:
+            raise UsageError(str(exc)) from None
+        args = parser.parse_args(from_file + ours)
+    args.command = command
+    return args
+
+
+def log_format(args):
+    return "elasticrun: %(message)s" if args.log_hide_timestamp else \
+        "elasticrun: %(asctime)s %(message)s"
 
 
 def _agent_main(args):
@@ -227,24 +314,47 @@ def _agent_main(args):
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 2
     level = "DEBUG" if args.verbose else (args.log_level or "INFO")
-    logging.basicConfig(level=level, format="elasticrun: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format=log_format(args), datefmt="%Y-%m-%d %H:%M:%S",
+                        stream=sys.stderr)
     return run_agent(config)
 
 
 def main(argv=None):
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
+        if args.version:
+            sys.stdout.write(f"elasticrun {__version__}\n")
+            return 0
+        if args.check_build:
+            sys.stdout.write("".join(line + "\n" for line in horovod_flags.check_build()))
+            return 0
         if args.join:
             return _agent_main(args)
         config = config_from_args(args)
-    except UsageError as exc:
+        for line in horovod_flags.warnings_for(args, os.environ):
+            sys.stderr.write(f"elasticrun: {line}\n")
+        if args.dry_run:
+            sys.stdout.write("".join(line + "\n" for line in dry_run.plan_lines(config)))
+            return 0
+    except (UsageError, DiscoveryError) as exc:
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 2
-    for line in horovod_flags.warnings_for(args, os.environ):
-        sys.stderr.write(f"elasticrun: {line}\n")
     level = "DEBUG" if args.verbose else (args.log_level or "INFO")
-    logging.basicConfig(level=level, format="elasticrun: %(message)s", stream=sys.stderr)
-    return run_job(config)
+    logging.basicConfig(level=level, format=log_format(args), datefmt="%Y-%m-%d %H:%M:%S",
+                        stream=sys.stderr)
+    # Workers' uncaught exceptions land in error files: kept under --output-filename,
+    # else in a private directory that goes when the job does.
+    error_dir = args.output_dir or tempfile.mkdtemp(prefix="elasticrun-errors-")
+    config.extra_env[protocol.ENV_ERROR_DIR] = os.path.abspath(error_dir)
+    config.console = Console(config.output_dir, timestamps=args.timestamp_output,
+                             ranks=output_ranks(args.output_ranks),
+                             error_dir=config.extra_env[protocol.ENV_ERROR_DIR],
+                             keep_error_files=bool(args.output_dir))
+    try:
+        return run_job(config)
+    finally:
+        if not args.output_dir:
+            shutil.rmtree(error_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

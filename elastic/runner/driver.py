@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from elastic import protocol as control
 from elastic.exceptions import ElasticError
 from elastic.protocol import Keys
-from elastic.runner import launcher
+from elastic.runner import console, launcher
 from elastic.runner.control_plane import DriverControl
 from elastic.runner.decisions import (
     Abort,
@@ -95,6 +95,7 @@ class JobConfig:
     stop_timeout: float = 20.0        # after SIGTERM/SIGINT: time to reach a commit and leave
     stall_timeout: float = 600.0      # evict a rank its peers waited on this long
     preempted_hold: float = 60.0      # a preempted host that discovery keeps listing returns
+    console: object = None            # console.Console (cli builds it from the output flags)
 
 
 @dataclass
@@ -145,7 +146,7 @@ class Driver:
                              preempted_hold=config.preempted_hold)
         self.hosts = HostManager(config.cooldown_range)
         self.secret = config.secret or secrets.token_hex(32)
-        self.sink = launcher.OutputSink(config.output_dir)
+        self.sink = config.console or console.Console(config.output_dir)
         self.job = Job()
         self.workers = {}          # live workers by id
         self.started = time.monotonic()
@@ -350,6 +351,7 @@ class Driver:
             self.events.emit("worker_evicted", worker=action.worker_id, host=action.host)
         elif isinstance(action, HostFailed):
             log.warning("%s; blacklisting host %s", action.reason, action.host)
+            self.sink.worker_failed(action.worker_id, action.host, action.reason)
             self.events.emit("worker_failed", worker=action.worker_id, host=action.host,
                              reason=action.reason)
             self.events.emit("host_blacklisted", host=action.host)
@@ -467,6 +469,7 @@ class Driver:
         r = action.round_id
         members = list(action.members)
         self.plane.publish(r, members)                  # kept values: put back if overwritten
+        self.sink.set_ranks(members)
         self._published_at = now
         self.control.forget(Keys.abort(r - ABORTS_KEPT))
         self.reporter.round_started(r, members, action.change, now)
@@ -488,6 +491,7 @@ def run_job(config):
         return driver.run()
     except JobFailed as exc:
         driver.events.emit("job_failed", reason=str(exc))
+        driver.sink.report()                            # the root cause, then the reason
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 1
     except Interrupted as exc:

@@ -1,12 +1,18 @@
 """horovodrun's flags and HOROVOD_* variables that elasticrun takes for compatibility.
 
 Some map onto ours (``--hostfile``, ``--start-timeout``, the fusion threshold as
-DistributedOptimizer's bucket size). The rest mean nothing here: each one given
+DistributedOptimizer's bucket size, the stall check as ``--stall-timeout`` and
+its warning, ``--check-build``). The rest mean nothing here: each one given
 prints one warning line and the job goes on, so scripts written for horovodrun
 start unchanged.
 """
 
+import math
+
 from elastic.runner.discovery import DiscoveryError, parse_host_list
+from elastic.runner.stalls import StallTimeout
+
+STALL_CHECK_OFF_S = 7 * 24 * 3600.0     # --no-stall-check: no eviction for a stall this week
 
 # flag -> (argparse nargs: 0 for a switch, 1 for a value; why it means nothing here)
 IGNORED_FLAGS = {
@@ -34,8 +40,8 @@ IGNORED_FLAGS = {
     "--num-nccl-streams": (1, "NCCL is torch.distributed's"),
     "--gloo-timeout-seconds": (1, "collectives wait in slices bounded by the round; "
                                   "see --stall-timeout"),
-    "--log-hide-timestamp": (0, "elasticrun's log format is fixed"),
-    "--prefix-output-with-timestamp": (0, "worker output is prefixed with its worker id"),
+    "--mpi-threads-disable": (0, "there is no MPI"),
+    "--ccl-bgt-affinity": (1, "there is no oneCCL"),
 }
 
 IGNORED_ENV = {
@@ -51,7 +57,7 @@ IGNORED_ENV = {
     "HOROVOD_NUM_NCCL_STREAMS": "--num-nccl-streams",
     "HOROVOD_CPU_OPERATIONS": "--gloo",
     "HOROVOD_CONTROLLER": "--gloo",
-    "HOROVOD_MPI_THREADS_DISABLE": "--mpi",
+    "HOROVOD_MPI_THREADS_DISABLE": "--mpi-threads-disable",
 }
 
 FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"   # bytes; read by elastic/training/optimizer_checks.py
@@ -70,6 +76,18 @@ def add_to(parser):
     parser.add_argument("--fusion-threshold-mb", type=float, default=None, metavar="MB",
                         help="DistributedOptimizer's default bucket size (sets "
                              "HOROVOD_FUSION_THRESHOLD for the workers)")
+    parser.add_argument("--check-build", action="store_true",
+                        help="print what this installation supports (frameworks, "
+                             "controllers, tensor operations) and exit")
+    parser.add_argument("--stall-check-shutdown-time-seconds", type=float, default=None,
+                        metavar="S", help="horovodrun's name for --stall-timeout S "
+                                          "(0: no eviction for a stall)")
+    parser.add_argument("--stall-check-warning-time-seconds", type=float, default=None,
+                        metavar="S", help="warn about a stalled rank after S seconds "
+                                          "(default: half --stall-timeout, at most 60)")
+    parser.add_argument("--no-stall-check", action="store_true",
+                        help="never evict a rank for a stall (as horovodrun's); the "
+                             "warning stays")
     group = parser.add_argument_group("horovodrun flags that mean nothing here (a warning each)")
     for flag, (nargs, _why) in IGNORED_FLAGS.items():
         dest = "hvd_ignored_" + flag.lstrip("-").replace("-", "_")
@@ -136,6 +154,44 @@ def start_timeout(args, environ):
     if value is not None and not (value > 0 and value != float("inf")):
         raise ValueError(f"--start-timeout must be a positive number, got {value}")
     return value
+
+
+def stall_timeout(args):
+    """--stall-timeout as horovodrun's stall-check flags adjust it (a StallTimeout)."""
+    seconds = args.stall_timeout
+    shutdown = args.stall_check_shutdown_time_seconds
+    warn = args.stall_check_warning_time_seconds
+    for name, value in (("--stall-check-shutdown-time-seconds", shutdown),
+                        ("--stall-check-warning-time-seconds", warn)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be 0 or more, got {value}")
+    if shutdown is not None:
+        seconds = shutdown if shutdown > 0 else STALL_CHECK_OFF_S
+    if args.no_stall_check:
+        seconds = STALL_CHECK_OFF_S
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"--stall-timeout must be a positive number, got {seconds}")
+    return StallTimeout(seconds, warn if warn else None)
+
+
+def check_build():
+    """The lines ``--check-build`` prints: what this installation can run."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic import __version__
+
+    def box(flag):
+        return "[X]" if flag else "[ ]"
+
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()
+    return [f"elastic {__version__} (torch {torch.__version__})",
+            "Available frameworks:", f"    {box(True)} PyTorch",
+            "Available controllers:", f"    {box(True)} torch.distributed TCPStore (gloo)",
+            f"    {box(False)} MPI",
+            "Available tensor operations:", f"    {box(nccl)} NCCL",
+            f"    {box(dist.is_gloo_available())} Gloo", f"    {box(False)} MPI",
+            f"    {box(False)} DDL", f"    {box(False)} CCL"]
 
 
 def fusion_env(args):

@@ -17,6 +17,7 @@ and the addresses of its interfaces. Other loopback addresses such as
 127.0.0.2 count as remote, so tests can run a real sshd on them.
 """
 
+import collections
 import fcntl
 import ipaddress
 import json
@@ -29,11 +30,12 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 from elastic import protocol
 from elastic.runner import remote
-from elastic.streams import pump_lines
+from elastic.streams import pump_output
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -142,12 +144,38 @@ def source_address(host):
 
 
 class OutputSink:
-    """Prefixes each worker line on the console and optionally keeps per-worker files."""
+    """Prefixes each worker line on the console and optionally keeps per-worker files.
 
-    def __init__(self, output_dir=None, quiet=False):
+    Output is read in bounded chunks (``streams.pump_output``): the files get the
+    bytes as written, the console gets lines cut at ``streams.MAX_LINE_BYTES``
+    and at most one progress (``\\r``) update per second per stream.
+    ``timestamps`` prefixes console lines with the time they arrived; ``ranks``
+    (a set) shows only the lines of workers whose rank in the latest round is in
+    it. The last ``TAIL_LINES`` stderr lines of each worker are kept for the
+    root-cause report whatever is shown.
+    """
+
+    TAIL_LINES = 20
+    TAILS_KEPT = 256                  # workers whose tails are kept (the newest)
+
+    def __init__(self, output_dir=None, quiet=False, timestamps=False, ranks=None):
         self._dir = output_dir
         self._quiet = quiet
+        self._timestamps = timestamps
+        self._shown_ranks = None if ranks is None else set(ranks)
+        self._rank_of = {}
+        self._tails = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    def set_ranks(self, members):
+        """The ranks of a newly published round (member dicts with worker_id, rank)."""
+        with self._lock:
+            self._rank_of = {m["worker_id"]: m["rank"] for m in members}
+
+    def tail(self, worker_id):
+        """The last stderr lines of ``worker_id`` (text), oldest first."""
+        with self._lock:
+            return list(self._tails.get(worker_id, ()))
 
     def attach(self, worker_id, stream, name, on_line=None):
         files = None
@@ -169,30 +197,34 @@ class OutputSink:
             os.makedirs(path, exist_ok=True)
             with open(os.path.join(path, name), "ab") as f:
                 f.write("".join(line + "\n" for line in lines).encode())
-        if not self._quiet:
+        for line in lines:
+            self._show(worker_id, name, line)
+
+    def _show(self, worker_id, name, line):
+        with self._lock:
+            if name == "stderr":
+                tail = self._tails.get(worker_id)
+                if tail is None:
+                    tail = self._tails[worker_id] = collections.deque(maxlen=self.TAIL_LINES)
+                    while len(self._tails) > self.TAILS_KEPT:
+                        self._tails.popitem(last=False)
+                tail.append(line)
+            if self._quiet or (self._shown_ranks is not None
+                               and self._rank_of.get(worker_id) not in self._shown_ranks):
+                return
             target = sys.stdout if name == "stdout" else sys.stderr
-            prefix = f"[{worker_id}]<{name}>:"
-            with self._lock:
-                target.write("".join(f"{prefix}{line}\n" for line in lines))
-                target.flush()
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self._timestamps else ""
+            target.write(f"{stamp}[{worker_id}]<{name}>:{line}\n")
+            target.flush()
 
     def _pump(self, worker_id, stream, name, file, on_line=None):
-        target = sys.stdout if name == "stdout" else sys.stderr
-        prefix = f"[{worker_id}]<{name}>:"
-
         def handle(raw):
             if on_line is not None:
                 on_line(raw)
-            if file is not None:
-                file.write(raw)
-            if not self._quiet:
-                line = raw.decode("utf-8", "replace").rstrip("\n")
-                with self._lock:
-                    target.write(f"{prefix}{line}\n")
-                    target.flush()
+            self._show(worker_id, name, raw.decode("utf-8", "replace"))
 
         try:
-            pump_lines(stream, handle)
+            pump_output(stream, handle, on_chunk=file.write if file is not None else None)
         finally:
             if file is not None:
                 file.close()

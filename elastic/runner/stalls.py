@@ -103,7 +103,20 @@ def exit_poll_interval(workers, tick):
     return max(tick, workers / EXIT_POLLS_PER_S)
 
 
+class StallTimeout(float):
+    """--stall-timeout with its own warning time (horovodrun's
+    --stall-check-warning-time-seconds); a plain float warns at the default."""
+
+    def __new__(cls, seconds, warn_s=None):
+        value = super().__new__(cls, seconds)
+        value.warn_s = warn_s
+        return value
+
+
 def warn_after(stall_timeout):
+    warn_s = getattr(stall_timeout, "warn_s", None)
+    if warn_s is not None:
+        return min(warn_s, float(stall_timeout))
     return min(stall_timeout / 2.0, WARN_AT_MOST_S)
 
 

@@ -8,10 +8,11 @@ import time
 from typing import Callable, TypeVar
 
 from elastic.exceptions import HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
-from elastic.worker import logs, runtime
+from elastic.worker import error_file, logs, runtime
 
 log = logging.getLogger(__name__)
 logs.install()
+error_file.install()        # an uncaught exception leaves an error file for the driver
 
 
 T = TypeVar("T")
