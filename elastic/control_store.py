@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from elastic.auth import Rejected, Sealer, WarnOnce, stderr_warning
 from elastic.exceptions import ElasticError
+from elastic.store_link import RECONNECT_WITHIN_S, HealingStore, keepalive_accepted
 
 ENV_SECRET = "ELASTIC_SECRET"                # protocol.py names them (and documents them)
 ENV_SECRET_FILE = "ELASTIC_SECRET_FILE"
@@ -52,11 +53,24 @@ def read_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
 
 
 def connect(addr: str, port: int | str, timeout_s: float, is_master: bool = False) -> dist.TCPStore:
-    """One TCPStore client connection (the driver's store: see listen())."""
+    """One TCPStore client connection (the driver's store: see listen()). It never
+    reconnects: long-lived connections use open_link()."""
     return dist.TCPStore(
         addr, int(port), is_master=is_master, timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False, use_libuv=True,
     )
+
+
+def open_link(addr: str, port: int | str, timeout_s: float,
+              reconnect_within_s: float = RECONNECT_WITHIN_S, warn=stderr_warning) -> HealingStore:
+    """A client connection that reconnects after a reset and has TCP keepalive
+    (store_link.py); ControlStore puts the job's namespace on it."""
+    return HealingStore(addr, port, timeout_s, reconnect_within_s, warn)
+
+
+def keepalive_on_accepted(port: int) -> int:
+    """Keepalive on the store connections this (driver) process accepted on ``port``."""
+    return keepalive_accepted(port)
 
 
 def listen(addr: str, timeout_s: float, port: int = 0) -> dist.TCPStore:
@@ -96,7 +110,10 @@ class ControlStore:
         if isinstance(secret, str):
             secret = secret.encode()
         namespace = hmac.new(secret, b"elastic-namespace", hashlib.sha256).hexdigest()[:32]
-        self.raw = dist.PrefixStore(namespace + "/", store)
+        if isinstance(store, HealingStore):
+            self.raw = store.with_prefix(namespace + "/")
+        else:
+            self.raw = dist.PrefixStore(namespace + "/", store)
         self.sealer = Sealer(secret, job=namespace)
         self.rejected = WarnOnce(warn)
         self._highest = {}

@@ -149,12 +149,16 @@ from elastic.control_store import (  # noqa: E402
     ControlStore,
     Doorbell,
     connect,
+    keepalive_on_accepted,
     listen,
+    open_link,
     read_secret_from_env,
 )
+from elastic.store_link import RECONNECT_WITHIN_S, driver_refuses  # noqa: E402
 
 __all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "ControlError", "ControlStore", "Doorbell",
-           "connect", "listen", "read_secret_from_env"]
+           "connect", "keepalive_on_accepted", "listen", "open_link", "read_secret_from_env",
+           "RECONNECT_WITHIN_S", "driver_refuses"]
 
 
 class Keys:

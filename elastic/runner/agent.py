@@ -147,8 +147,9 @@ class Agent:
                                   f"{self.cfg.connect_timeout:g} s")
             time.sleep(0.5)
         try:
-            self.store = protocol.connect(self.cfg.driver_host, self.cfg.driver_port,
-                                          self.cfg.connect_timeout)
+            # No retry inside calls: _wait_for_driver reconnects (or gives up) itself.
+            self.store = protocol.open_link(self.cfg.driver_host, self.cfg.driver_port,
+                                            self.cfg.connect_timeout, reconnect_within_s=0)
         except Exception:  # noqa: BLE001 - TCPStore raises several kinds on a dead address
             raise AgentFailed(f"cannot reach a driver at {where} within "
                               f"{self.cfg.connect_timeout:g} s") from None
@@ -246,7 +247,8 @@ class Agent:
             self._reap()
             if port_open(self.cfg.driver_host, self.cfg.driver_port):
                 try:
-                    store = protocol.connect(self.cfg.driver_host, self.cfg.driver_port, 5)
+                    store = protocol.open_link(self.cfg.driver_host, self.cfg.driver_port, 5,
+                                               reconnect_within_s=0)
                     control = ControlStore(store, self.secret)
                     # A restarted driver's store holds nothing of ours.
                     claimed = control.present(AgentKeys.info(self.index)) or \

@@ -103,13 +103,13 @@ class AgentHub(Discovery):
     # -- wiring by the driver ---------------------------------------------------------
     def attach(self, address, port, secret, sink):
         """Start serving agents on the driver's store (the driver calls this once it listens)."""
-        store = protocol.connect(address, port, 30)
+        store = protocol.open_link(address, port, 30)
         self._secret = secret
         self._raw = store
         self.control = ControlStore(store, secret)
         self.sink = sink
         self._publish_hello()
-        self._registrations = _Registrations(protocol.connect(address, port, 30), secret,
+        self._registrations = _Registrations(protocol.open_link(address, port, 30), secret,
                                              self._stop)
         self._registrations.start()
         self._thread = threading.Thread(target=self._run, name="elastic-agents", daemon=True)

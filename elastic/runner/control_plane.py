@@ -41,7 +41,7 @@ class Janitor(threading.Thread):
 
     def run(self):
         try:
-            store = ControlStore(control.connect(self._address, self._port, 30), self._secret)
+            store = ControlStore(control.open_link(self._address, self._port, 30), self._secret)
             while True:
                 keys = self._queue.get()
                 if keys is None:
@@ -59,9 +59,12 @@ class DriverControl:
     def __init__(self, hosts, names, secret, network_interface=None, serving=False, port=0):
         """OSError / RuntimeError: the store cannot listen."""
         self.binding = binding.choose(hosts, names, network_interface, serving=serving)
-        store = control.listen(self.binding.address, 30, port=port)
-        self.port = store.port
-        self.store = ControlStore(store, secret, warn=log.warning)
+        self._server = control.listen(self.binding.address, 30, port=port)
+        self.port = self._server.port
+        # The server's own client connection never reconnects: talk over one that does.
+        self.store = ControlStore(control.open_link(self.binding.local_connect_address(),
+                                                    self.port, 30, warn=log.warning),
+                                  secret, warn=log.warning)
         self._names = names
         self._healed_at = 0.0
         self._unreachable_warned = set()
@@ -187,7 +190,10 @@ class DriverControl:
     def ready(self, worker_ids, now=None):
         """Those of ``worker_ids`` whose sealed registration is in the store (looking
         at the ones that rang, and at all of them every FULL_LOOK_S)."""
-        return self._verified(self._registered, set(worker_ids), Keys.ready, "ready", now)
+        found = self._verified(self._registered, set(worker_ids), Keys.ready, "ready", now)
+        if found:      # their connections are accepted by now: keepalive on the driver's side
+            control.keepalive_on_accepted(self.port)
+        return found
 
     def _verified(self, bell, awaited, key_of, look, now):
         """The awaited names whose sealed key holds a value. Every awaited key is looked

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from elastic.runner.blackout import NetworkQuiet
 from elastic.runner.hosts import HostManager
 
 MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
@@ -67,6 +68,8 @@ class Job:
     preempted: Mapping = field(default_factory=dict)  # host -> when a worker there got SIGTERM
     stop_signal: int | None = None       # SIGTERM/SIGINT to elasticrun: stopping since stop_at
     stop_at: float | None = None
+    quiet_since: float | None = None     # every heartbeat stopped at once then (blackout.py)
+    quiet_ended: float = 0.0             # ... and came back then
 
     def member_ids(self) -> set:
         return set(self.member_set)
@@ -324,6 +327,8 @@ def evolve(job: Job, action) -> Job:
         return r(job, preempted={h: t for h, t in job.preempted.items() if h != action.host})
     if isinstance(action, BeginStop):
         return r(job, stop_signal=action.signal, stop_at=action.at)
+    if isinstance(action, NetworkQuiet):
+        return r(job, quiet_since=action.since, quiet_ended=action.ended)
     return job
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from elastic.runner import blackout
 from elastic.runner.decisions import (
     Abort,
     BeginStop,
@@ -325,6 +326,8 @@ class _Tick:
         if not self.facts.liveness_checked:
             return
         limits = self.limits
+        hold = blackout.hold_silence(self.job, self.workers, self.now, limits.worker_timeout,
+                                     self.emit)
         for wid in list(self.workers):
             w = self.workers[wid]
             if w.stopped:
@@ -338,7 +341,8 @@ class _Tick:
             elif (not w.beats and not w.ready and self.job.round_id
                     and self.now - w.started > limits.startup_timeout):
                 why = f"did not start within {limits.startup_timeout:.0f} s"
-            elif (w.beats or w.ready) and self.now - w.heartbeat_at > limits.worker_timeout:
+            elif (w.beats or w.ready) and not hold and \
+                    blackout.silent_for(w, self.job, self.now) > limits.worker_timeout:
                 # Ready counts as a beat: a worker whose every beat was lost or overwritten
                 # before the driver read one would otherwise only be caught as a stall.
                 why = f"sent no heartbeat for {limits.worker_timeout:.0f} s"

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from elastic.protocol import Keys
+from elastic.protocol import RECONNECT_WITHIN_S, Keys, driver_refuses
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Progress:
 # A connect to a live driver can stall for seconds when thousands connect at once; a
 # dead driver refuses at once, so a generous timeout does not slow orphan detection.
 CONNECT_TIMEOUT_S = 15.0
+DRIVER_GONE_REFUSALS = 3     # failed beats while the driver's port refuses connections
 
 
 class Heartbeat(threading.Thread):
@@ -87,16 +88,21 @@ class Heartbeat(threading.Thread):
             self._conn = None
 
     def run(self):
-        failures = 0
+        refusals, lost_since = 0, None
         while not self._stop.is_set():
             try:
                 self._beat += 1
                 self.send(self._beat)
-                failures = 0
+                refusals, lost_since = 0, None
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
-                failures += 1
                 self._conn = None
-                if failures >= 3 and not self._stop.is_set():
+                now = time.monotonic()
+                lost_since = now if lost_since is None else lost_since
+                refusals = refusals + 1 if driver_refuses(*self._worker.driver_at) else 0
+                # A closed port is a driver that is gone; silence may be the network,
+                # which gets as long as the store connections do (RECONNECT_WITHIN_S).
+                if (refusals >= DRIVER_GONE_REFUSALS or now - lost_since >= RECONNECT_WITHIN_S) \
+                        and not self._stop.is_set():
                     log.error("lost contact with elasticrun; exiting so no orphan is left behind")
                     os._exit(1)
             self._wake.wait(self._interval)
@@ -105,7 +111,7 @@ class Heartbeat(threading.Thread):
     def send(self, beat):
         w = self._worker
         if self._conn is None:
-            self._conn = w.new_control_connection(timeout=CONNECT_TIMEOUT_S)
+            self._conn = w.new_control_connection(timeout=CONNECT_TIMEOUT_S, reconnect_within_s=0)
         value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested)
         if w.leave_requested:
             w.put_leaving(self._conn)

@@ -68,8 +68,7 @@ class Worker:
             log.error("elasticrun is gone; exiting")
             os._exit(1)
         self.worker_id = env[control.ENV_WORKER_ID]
-        self._addr = env[control.ENV_ADDR]
-        self._port = int(env[control.ENV_PORT])
+        self.driver_at = (env[control.ENV_ADDR], int(env[control.ENV_PORT]))  # its store
         self._secret = control.read_secret_from_env(env)
         self.store_timeout = env_float(control.ENV_STORE_TIMEOUT, 60, env)
         self.round_timeout = env_float(control.ENV_ROUND_TIMEOUT, 900, env)
@@ -98,8 +97,9 @@ class Worker:
             self.heartbeat.first_beat()
             self.heartbeat.start()
 
-    def new_control_connection(self, timeout=None):
-        store = control.connect(self._addr, self._port, timeout or self.store_timeout)
+    def new_control_connection(self, timeout=None, reconnect_within_s=control.RECONNECT_WITHIN_S):
+        store = control.open_link(*self.driver_at, timeout or self.store_timeout,
+                                  reconnect_within_s, warn=log.warning)   # heals after a reset
         return ControlStore(store, self._secret, warn=lambda msg: log.warning(msg))
 
     # -- rounds ---------------------------------------------------------------
