@@ -120,7 +120,7 @@ class SimWorker(Worker):
         self._sim_secret = protocol.read_secret_from_env(env)
         super().__init__(env)
 
-    def new_control_connection(self, timeout=None):
+    def new_control_connection(self, timeout=None, reconnect_within_s=None):
         """A ControlStore of its own over one of the process's pooled connections: the
         same requests and bytes, without thousands of TCP connects (on this machine
         about one TCPStore connect in 50 stalls for 5 s when many are made)."""
