@@ -14,18 +14,9 @@ Pure functions; policy.check_liveness asks ``hold_silence`` (docs/failure-model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from elastic.runner.decisions import NetworkQuiet
 
 NETWORK_WAIT_S = 90.0     # the longest the driver waits for its network before evicting
-
-
-@dataclass(frozen=True)
-class NetworkQuiet:
-    """The driver's view of its network changed: ``since`` is when every beat stopped
-    (None: they are back or the wait ran out), ``ended`` when beats last came back."""
-    since: float | None
-    ended: float
-    line: str
 
 
 def at_once_s(worker_timeout):
@@ -59,19 +50,20 @@ def hold_silence(job, workers, now, worker_timeout, emit):
     if since is not None and now - since < NETWORK_WAIT_S:
         if job.quiet_since is None:
             ws = watched(workers.values())
-            emit(NetworkQuiet(since, job.quiet_ended, (
+            emit(NetworkQuiet("", (
                 f"every heartbeat stopped at once ({len(ws)} workers on "
                 f"{len({w.host for w in ws})} hosts): elasticrun's own network looks down; "
-                f"evicting nobody for it while waiting up to {NETWORK_WAIT_S:.0f} s")))
+                f"evicting nobody for it while waiting up to {NETWORK_WAIT_S:.0f} s"), since,
+                             job.quiet_ended))
         return True
     if job.quiet_since is not None:
         if since is None:
-            emit(NetworkQuiet(None, now, f"heartbeats are back after {now - job.quiet_since:.0f} "
-                                         "s; the network is back"))
+            emit(NetworkQuiet("", f"heartbeats are back after {now - job.quiet_since:.0f} s; "
+                                  "the network is back", None, now))
         else:
-            emit(NetworkQuiet(None, job.quiet_ended, (
+            emit(NetworkQuiet("", (
                 f"no heartbeat from any worker for {now - since:.0f} s: the network did not "
-                "come back; silent workers are evicted")))
+                "come back; silent workers are evicted"), None, job.quiet_ended))
     return False
 
 

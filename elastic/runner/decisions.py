@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from elastic.runner.blackout import NetworkQuiet
 from elastic.runner.hosts import HostManager
 
 MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
@@ -263,6 +262,15 @@ class Left:
 class StallWarning:
     worker_id: str
     line: str
+
+
+@dataclass(frozen=True)
+class NetworkQuiet(StallWarning):
+    """Every heartbeat stopped at once (blackout.py): ``since`` is when (None: they are
+    back, or the wait ran out), ``ended`` when beats last came back. The driver prints
+    ``line`` as it prints a stall warning (no worker: ``worker_id`` is empty)."""
+    since: float | None = None
+    ended: float = 0.0
 
 
 @dataclass(frozen=True)

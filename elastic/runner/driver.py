@@ -32,7 +32,6 @@ from elastic.runner.decisions import (
     Job,
     Left,
     Limits,
-    NetworkQuiet,
     Preempted,
     Publish,
     Reform,
@@ -383,8 +382,6 @@ class Driver:
                      action.host, action.commit)
             self.events.emit("worker_removed", worker=action.worker_id, host=action.host,
                              reason="preempted")
-        elif isinstance(action, NetworkQuiet):
-            log.warning("%s", action.line)
         elif isinstance(action, StallWarning):
             w = self.workers.get(action.worker_id)
             if w is not None:
