@@ -57,6 +57,7 @@ from elastic.torch.queries import (
     stop_timeline,
 )
 from elastic.torch.reduce_ops import Adasum, join
+from elastic.torch.state_broadcast import broadcast_optimizer_state
 from elastic.torch.sync_batch_norm import SyncBatchNorm
 from elastic.training.optimizer import Compression, DistributedOptimizer
 from elastic.worker import collectives as _c
@@ -87,4 +88,4 @@ ReduceOp = _c.ReduceOp
 shutdown, is_initialized = _rt.shutdown, _rt.is_initialized
 rank, size, local_rank, local_size = _rt.rank, _rt.size, _rt.local_rank, _rt.local_size
 cross_rank, cross_size = _rt.cross_rank, _rt.cross_size
-broadcast_parameters, broadcast_optimizer_state = _c.broadcast_parameters, _c.broadcast_optimizer_state
+broadcast_parameters = _c.broadcast_parameters

@@ -15,6 +15,7 @@ must be a power of two. Each tensor of a group is combined on its own.
 import torch
 
 from elastic.torch import negotiation
+from elastic.torch.errors import AdasumUnsupportedError
 from elastic.worker import collectives
 
 OP_CODE = 6
@@ -25,13 +26,13 @@ def is_power_of_two(n):
 
 
 def check(tensors, binding):
-    """Raise ValueError (the same on every rank) when Adasum cannot run here."""
+    """Raise AdasumUnsupportedError (the same on every rank) when Adasum cannot run here."""
     size = 1 if binding is None else binding.size
     if not is_power_of_two(size):
-        raise ValueError(f"Adasum needs a power-of-two number of ranks, got {size}")
+        raise AdasumUnsupportedError(f"Adasum needs a power-of-two number of ranks, got {size}")
     for t in tensors:
         if not t.dtype.is_floating_point:
-            raise ValueError(f"Adasum reduces floating-point tensors, not {t.dtype}")
+            raise AdasumUnsupportedError(f"Adasum reduces floating-point tensors, not {t.dtype}")
 
 
 def combine(a, b):

@@ -63,6 +63,10 @@ class Handle:
     def failed(cls, error, name_key=None):
         return cls(error=error, name_key=name_key)
 
+    def __call__(self):
+        """Horovod's sparse_allreduce_async returns a function to call; ours can be called too."""
+        return self.wait()
+
     def poll(self):
         if self._done or self._error is not None:
             return True

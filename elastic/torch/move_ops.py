@@ -11,7 +11,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from elastic.torch import negotiation
+from elastic.torch import matching, negotiation
 from elastic.torch.handles import Handle, claim_name
 from elastic.torch.negotiation import (
     ALLGATHER,
@@ -48,44 +48,48 @@ def _issue(binding, tensor, what, fn):
 
 
 # -- allgather ---------------------------------------------------------------------------
-def allgather_async(tensors, name=None, process_set=None):
+def allgather_async(tensors, name=None, process_set=None, deferrable=False):
     """Concatenate each tensor's values from every rank along dim 0 (dim 0 may differ)."""
     binding = bind(process_set)
     name_key = claim_name("allgather", name)
     if binding is None or binding.size == 1:
         return Handle(name_key=name_key, finish=lambda: [t.detach().clone() for t in tensors])
     inputs = [t.detach().contiguous() for t in tensors]
-    outcome = negotiation.negotiate(binding, record(ALLGATHER, inputs, name=name,
-                                                    vary_dim0=True), "allgather", vary_dim0=True)
-    if outcome.error is not None:
-        return Handle.failed(outcome.error, name_key)
-    if len(inputs) == 1:
-        dim0s = [outcome.dim0s()]
-    else:
-        mine = torch.tensor([t.shape[0] if t.dim() else 1 for t in inputs], dtype=torch.int64)
-        dim0s = [[int(x) for x in col] for col in
-                 torch.stack(_gather_equal(binding, mine)).t()]
-    works, pieces = [], []
-    for t, sizes in zip(inputs, dim0s):
-        rows = _rows(t)
-        longest = max(sizes)
-        if rows.shape[0] < longest:
-            rows = torch.cat([rows, rows.new_zeros((longest - rows.shape[0], rows.shape[1]))])
-        outputs = [torch.empty_like(rows) for _ in range(binding.size)]
-        works.append(_issue(binding, rows, "allgather",
-                            lambda g, o=outputs, r=rows: g.allgather([o], [r])))
-        pieces.append((outputs, sizes, t))
 
-    def finish():
-        out = []
-        for outputs, sizes, like in pieces:
-            rows = torch.cat([o[:n] for o, n in zip(outputs, sizes)])
-            out.append(_from_rows(rows, like, sum(sizes)))
-        return out
+    def issue(outcome):
+        if len(inputs) == 1:
+            dim0s = [outcome.dim0s()]
+        else:
+            mine = torch.tensor([t.shape[0] if t.dim() else 1 for t in inputs],
+                                dtype=torch.int64)
+            dim0s = [[int(x) for x in col] for col in
+                     torch.stack(_gather_equal(binding, mine)).t()]
+        works, pieces = [], []
+        for t, sizes in zip(inputs, dim0s):
+            rows = _rows(t)
+            longest = max(sizes)
+            if rows.shape[0] < longest:
+                rows = torch.cat([rows, rows.new_zeros((longest - rows.shape[0],
+                                                        rows.shape[1]))])
+            outputs = [torch.empty_like(rows) for _ in range(binding.size)]
+            works.append(_issue(binding, rows, "allgather",
+                                lambda g, o=outputs, r=rows: g.allgather([o], [r])))
+            pieces.append((outputs, sizes, t))
 
-    handle = Handle(works, finish, binding.worker, name_key, what="allgather")
-    handle.dim0s = dim0s
-    return handle
+        def finish():
+            out = []
+            for outputs, sizes, like in pieces:
+                rows = torch.cat([o[:n] for o, n in zip(outputs, sizes)])
+                out.append(_from_rows(rows, like, sum(sizes)))
+            return out
+
+        handle = Handle(works, finish, binding.worker, name_key, what="allgather")
+        handle.dim0s = dim0s
+        return handle
+
+    rec = record(ALLGATHER, inputs, name=name, vary_dim0=True)
+    return matching.start(binding, rec, "allgather", issue, name_key, vary_dim0=True,
+                          deferrable=deferrable)
 
 
 def _gather_equal(binding, tensor):
@@ -107,29 +111,30 @@ def _set_root(binding, root_rank):
     return binding.ranks.index(root_rank)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+def broadcast_async_(tensor, root_rank, name=None, process_set=None, deferrable=False):
     """Overwrite ``tensor`` with the root's values; the handle's result is ``tensor``."""
     binding = bind(process_set)
     root = _set_root(binding, int(root_rank))
     name_key = claim_name("broadcast", name)
     if binding is None or binding.size == 1:
         return Handle(name_key=name_key, finish=lambda: tensor)
-    outcome = negotiation.negotiate(
-        binding, record(BROADCAST, [tensor], root=int(root_rank), name=name), "broadcast")
-    if outcome.error is not None:
-        return Handle.failed(outcome.error, name_key)
-    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-    rows = _rows(buf)
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = root, 0
-    work = _issue(binding, rows, "broadcast", lambda g: g.broadcast([rows], opts))
 
-    def finish():
-        if buf is not tensor:
-            tensor.copy_(buf)
-        return tensor
+    def issue(outcome):
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        rows = _rows(buf)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        work = _issue(binding, rows, "broadcast", lambda g: g.broadcast([rows], opts))
 
-    return Handle([work], finish, binding.worker, name_key, what="broadcast")
+        def finish():
+            if buf is not tensor:
+                tensor.copy_(buf)
+            return tensor
+
+        return Handle([work], finish, binding.worker, name_key, what="broadcast")
+
+    rec = record(BROADCAST, [tensor], root=int(root_rank), name=name)
+    return matching.start(binding, rec, "broadcast", issue, name_key, deferrable=deferrable)
 
 
 # -- alltoall ----------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def _checked_splits(tensor, splits, size):
     return splits
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=None):
+def alltoall_async(tensor, splits=None, name=None, process_set=None, deferrable=False):
     """Send rows ``splits[i]`` to rank i; the result is (output, received splits)."""
     binding = bind(process_set)
     size = 1 if binding is None else binding.size
@@ -164,22 +169,24 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None):
         return Handle(name_key=name_key,
                       finish=lambda: (out, torch.tensor(sends, dtype=torch.int32)))
     inputs = tensor.detach().contiguous()
-    outcome = negotiation.negotiate(binding, record(ALLTOALL, [inputs], name=name,
-                                                    vary_dim0=True), "alltoall", vary_dim0=True)
-    if outcome.error is not None:
-        return Handle.failed(outcome.error, name_key)
-    matrix = torch.stack(_gather_equal(binding, torch.tensor(sends, dtype=torch.int64)))
-    received = [int(x) for x in matrix[:, binding.rank]]
-    rows = _rows(inputs[:sum(sends)])
-    output = rows.new_empty((sum(received), rows.shape[1]))
-    work = _issue(binding, rows, "alltoall", lambda g: g.alltoall_base(
-        output, rows, received, sends, dist.AllToAllOptions()))
 
-    def finish():
-        return (_from_rows(output, inputs, sum(received)),
-                torch.tensor(received, dtype=torch.int32))
+    def issue(outcome):
+        matrix = torch.stack(_gather_equal(binding, torch.tensor(sends, dtype=torch.int64)))
+        received = [int(x) for x in matrix[:, binding.rank]]
+        rows = _rows(inputs[:sum(sends)])
+        output = rows.new_empty((sum(received), rows.shape[1]))
+        work = _issue(binding, rows, "alltoall", lambda g: g.alltoall_base(
+            output, rows, received, sends, dist.AllToAllOptions()))
 
-    return Handle([work], finish, binding.worker, name_key, what="alltoall")
+        def finish():
+            return (_from_rows(output, inputs, sum(received)),
+                    torch.tensor(received, dtype=torch.int32))
+
+        return Handle([work], finish, binding.worker, name_key, what="alltoall")
+
+    rec = record(ALLTOALL, [inputs], name=name, vary_dim0=True)
+    return matching.start(binding, rec, "alltoall", issue, name_key, vary_dim0=True,
+                          deferrable=deferrable)
 
 
 # -- objects, barrier, join --------------------------------------------------------------
@@ -211,11 +218,9 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     root = _set_root(binding, int(root_rank))
     if binding is None or binding.size == 1:
         return obj
-    outcome = negotiation.negotiate(
-        binding, record(BROADCAST, [], root=int(root_rank), name=name), "broadcast_object")
-    if outcome.error is not None:
-        raise outcome.error
-    return broadcast_object_on(binding, obj, root)
+    rec = record(BROADCAST, [], root=int(root_rank), name=name)
+    return matching.start(binding, rec, "broadcast_object",
+                          lambda _: Handle.done(broadcast_object_on(binding, obj, root))).wait()
 
 
 def allgather_object(obj, name=None, process_set=None):
@@ -235,9 +240,7 @@ def barrier(process_set=None):
     binding = bind(process_set)
     if binding is None or binding.size == 1:
         return
-    outcome = negotiation.negotiate(binding, record(BARRIER), "barrier")
-    if outcome.error is not None:
-        raise outcome.error
+    matching.start(binding, record(BARRIER), "barrier", lambda _: Handle.done(None)).wait()
 
 
 

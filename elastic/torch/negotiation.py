@@ -16,18 +16,23 @@ import torch
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.worker import collectives
 
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, JOIN, BARRIER = range(1, 8)
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, JOIN, BARRIER, WAIT = range(1, 9)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
               ALLTOALL: "alltoall", REDUCESCATTER: "reducescatter", JOIN: "join",
-              BARRIER: "barrier"}
+              BARRIER: "barrier", WAIT: "synchronize() of a named async op"}
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.complex64,
           torch.complex128]
 OP_NAMES = {1: "Average", 2: "Sum", 3: "Min", 4: "Max", 5: "Product", 6: "Adasum"}
 MAX_DIMS = 8
+MAX_PENDING = 8     # named async ops a record lists as waiting for their peers (matching.py)
 # record fields
 KIND, COUNT, OP, ROOT, NAME, DIGEST, DTYPE, DEVICE, JOIN_STEP, NDIM, SHAPE = range(11)
-LENGTH = SHAPE + MAX_DIMS
+MODE = SHAPE + MAX_DIMS      # matching.py: blocking, deferrable or waiting
+KEY = MODE + 1               # hash of (op kind, name); 0 for an unnamed op
+NPEND = KEY + 1              # how many pending named ops this rank has
+PEND = NPEND + 1             # their keys, oldest first
+LENGTH = PEND + MAX_PENDING
 
 
 class CollectiveMismatchError(ElasticError):
@@ -124,7 +129,11 @@ ADASUM_CODE = 6     # reductions that joined ranks cannot take part in
 
 def negotiate(binding, rec, what, vary_dim0=False):
     """Exchange records and check them; the Outcome carries a mismatch error, if any."""
-    out = Outcome(exchange(binding, rec))
+    return judge(Outcome(exchange(binding, rec)), binding, what, vary_dim0)
+
+
+def judge(out, binding, what, vary_dim0=False):
+    """Set ``out.error`` when the exchanged records do not describe one op."""
     if out.all_joined:
         return out
     out.error = check_records(out, binding, what, vary_dim0)

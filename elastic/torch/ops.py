@@ -2,19 +2,22 @@
 
 Out-of-place ops are differentiable as Horovod defines them: allreduce's
 gradient is the allreduce of the gradient (same op and scale factors);
-allgather's is this rank's slice of the summed gradient; broadcast's is the
-summed gradient on the root and zero elsewhere; alltoall's is the alltoall of
-the gradient back; reducescatter's is the allgather of the gradient (divided
-by the size for Average). In-place (``*_``) and async ops are not tracked.
+allgather's is this rank's slice of the averaged gradient; broadcast's is the
+averaged gradient on the root and zero elsewhere; alltoall's is the alltoall of
+the gradient back; reducescatter's is the allgather of the gradient, times the
+set's size for Sum, times the scale factors. In-place (``*_``) and async ops
+are not tracked.
 """
 
 import torch
 
 from elastic.torch import move_ops, reduce_ops
+from elastic.torch.errors import UnsupportedOpError
 from elastic.torch.handles import Handle
 from elastic.torch.process_sets import global_process_set
 from elastic.torch.reduce_ops import Average, Sum, resolve_op
 from elastic.training.optimizer import Compression
+from elastic.worker import runtime
 
 _GLOBAL = global_process_set
 
@@ -40,7 +43,8 @@ _one = _Single
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=_GLOBAL):
     return _one(reduce_ops.allreduce_async_([tensor], resolve_op(average, op), prescale_factor,
-                                            postscale_factor, name, process_set))
+                                            postscale_factor, name, process_set,
+                                            deferrable=True))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -51,8 +55,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=_GLOBAL):
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                            process_set).wait()
+    return reduce_ops.allreduce_async_([tensor], resolve_op(average, op), prescale_factor,
+                                       postscale_factor, name, process_set).wait()[0]
 
 
 class _Allreduce(torch.autograd.Function):
@@ -83,7 +87,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=_GLOBAL):
     return reduce_ops.allreduce_async_(list(tensors), resolve_op(average, op), prescale_factor,
                                        postscale_factor, name, process_set,
-                                       kind="grouped_allreduce")
+                                       kind="grouped_allreduce", deferrable=True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -94,8 +98,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=_GLOBAL):
-    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                    postscale_factor, process_set).wait()
+    return reduce_ops.allreduce_async_(list(tensors), resolve_op(average, op), prescale_factor,
+                                       postscale_factor, name, process_set,
+                                       kind="grouped_allreduce").wait()
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -107,27 +112,50 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wires)]
 
 
+class _Sparse(Handle):
+    """Two allgathers in flight (indices, values); the result is their coalesced sum."""
+
+    def __init__(self, indices, values, finish):
+        super().__init__(finish=finish)
+        self._parts = (indices, values)
+
+    def poll(self):
+        return all(part.poll() for part in self._parts)
+
+
 def sparse_allreduce_async(tensor, name, op, process_set=_GLOBAL):
-    """Allreduce of a sparse tensor: gather indices and values, then coalesce (sums repeats)."""
+    """Allreduce of a sparse tensor: allgather indices and values (named ``<name>.indices``
+    and ``<name>.values``, as in Horovod), then coalesce, which sums repeated indices.
+    ``synchronize(handle)`` and ``handle()`` both give the result."""
     op = resolve_op(None, op)
     if op not in (Average, Sum):
-        raise ValueError(f"sparse allreduce supports Average and Sum, not {op!r}")
+        raise UnsupportedOpError(f"sparse allreduce supports Average and Sum, not {op!r}")
     t = tensor.coalesce()
-    indices = move_ops.allgather_async([t.indices().t().contiguous()], None, process_set).wait()
-    values = move_ops.allgather_async([t.values()], None, process_set).wait()
-    size = 1 if process_set is None else process_set.size()
-    vals = values[0] / size if op == Average else values[0]
-    out = torch.sparse_coo_tensor(indices[0].t(), vals, t.shape).coalesce()
-    return Handle.done(out)
+    indices = move_ops.allgather_async([t.indices().t().contiguous()], _part(name, "indices"),
+                                       process_set, deferrable=True)
+    values = move_ops.allgather_async([t.values()], _part(name, "values"), process_set,
+                                      deferrable=True)
+
+    def finish():
+        idx, vals = indices.wait()[0], values.wait()[0]
+        if op == Average:
+            vals = vals / (1 if process_set is None else process_set.size())
+        return torch.sparse_coo_tensor(idx.t(), vals, t.shape).coalesce()
+
+    return _Sparse(indices, values, finish)
+
+
+def _part(name, what):
+    return None if name is None else f"{name}.{what}"
 
 
 # -- allgather ---------------------------------------------------------------------------
 def allgather_async(tensor, name=None, process_set=_GLOBAL):
-    return _one(move_ops.allgather_async([tensor], name, process_set))
+    return _one(move_ops.allgather_async([tensor], name, process_set, deferrable=True))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=_GLOBAL):
-    return move_ops.allgather_async(list(tensors), name, process_set)
+    return move_ops.allgather_async(list(tensors), name, process_set, deferrable=True)
 
 
 class _Allgather(torch.autograd.Function):
@@ -145,10 +173,10 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        summed = reduce_ops.allreduce_async_([g.contiguous().clone() for g in grads], Sum,
-                                             process_set=ctx.process_set).wait()
+        averaged = reduce_ops.allreduce_async_([g.contiguous().clone() for g in grads], Average,
+                                               process_set=ctx.process_set).wait()
         out = []
-        for g, (start, n, scalar) in zip(summed, ctx.slices):
+        for g, (start, n, scalar) in zip(averaged, ctx.slices):
             piece = g[start:start + n]
             out.append(piece.reshape(()) if scalar else piece)
         return (None, None) + tuple(out)
@@ -164,11 +192,12 @@ def grouped_allgather(tensors, name=None, process_set=_GLOBAL):
 
 # -- broadcast ---------------------------------------------------------------------------
 def broadcast_async_(tensor, root_rank, name=None, process_set=_GLOBAL):
-    return move_ops.broadcast_async_(tensor, root_rank, name, process_set)
+    return move_ops.broadcast_async_(tensor, root_rank, name, process_set, deferrable=True)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=_GLOBAL):
-    return move_ops.broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+    return move_ops.broadcast_async_(tensor.detach().clone(), root_rank, name, process_set,
+                                     deferrable=True)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=_GLOBAL):
@@ -184,12 +213,11 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (summed,) = reduce_ops.allreduce_async_([grad.contiguous().clone()], Sum,
-                                                process_set=ctx.process_set).wait()
-        from elastic.worker import runtime
+        (averaged,) = reduce_ops.allreduce_async_([grad.contiguous().clone()], Average,
+                                                  process_set=ctx.process_set).wait()
         if runtime.rank() != ctx.root_rank:
-            summed.zero_()
-        return summed, None, None, None
+            averaged.zero_()
+        return averaged, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=_GLOBAL):
@@ -199,7 +227,7 @@ def broadcast(tensor, root_rank, name=None, process_set=_GLOBAL):
 # -- alltoall ----------------------------------------------------------------------------
 def alltoall_async(tensor, splits=None, name=None, process_set=_GLOBAL):
     """synchronize() gives (output, received_splits), as in Horovod."""
-    return move_ops.alltoall_async(tensor, splits, name, process_set)
+    return move_ops.alltoall_async(tensor, splits, name, process_set, deferrable=True)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -231,13 +259,13 @@ def alltoall(tensor, splits=None, name=None, process_set=_GLOBAL):
 def reducescatter_async(tensor, name=None, op=Average, process_set=_GLOBAL,
                         prescale_factor=1.0, postscale_factor=1.0):
     return _one(reduce_ops.reducescatter_async([tensor], op, prescale_factor, postscale_factor,
-                                               name, process_set))
+                                               name, process_set, deferrable=True))
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=_GLOBAL,
                                 prescale_factor=1.0, postscale_factor=1.0):
     return reduce_ops.reducescatter_async(list(tensors), op, prescale_factor, postscale_factor,
-                                          name, process_set)
+                                          name, process_set, deferrable=True)
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -252,8 +280,8 @@ class _Reducescatter(torch.autograd.Function):
         op, factor, process_set = ctx.args
         gathered = move_ops.allgather_async([g.contiguous() for g in grads], None,
                                             process_set).wait()
-        if op == Average:
-            factor /= process_set.size()
+        if op == Sum:
+            factor *= 1 if process_set is None else process_set.size()
         return (None,) * 5 + tuple(g * factor if factor != 1.0 else g for g in gathered)
 
 

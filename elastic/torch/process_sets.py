@@ -14,9 +14,11 @@ rebuilt from the rule at its first use in each new round.
 
 import threading
 
-from elastic.exceptions import ElasticError
+import torch.distributed as dist
+
+from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.protocol import Keys
-from elastic.worker import runtime
+from elastic.worker import collectives, runtime
 from elastic.worker.groups import form_groups
 from elastic.worker.signed_store import SignedStore
 
@@ -53,6 +55,30 @@ class ProcessSet:
     def included(self):
         return runtime.rank() in self.ranks
 
+    def reduce_async(self, tensor, op):
+        """DistributedOptimizer's bucket allreduce over this set, without the pre-op check
+        (every member launches the same buckets in the same order). Returns a handle for
+        ``collectives.synchronize``, or None on a rank outside the set, whose gradients
+        stay its own. A set defined by ranks raises ProcessSetStaleError after a
+        membership change, on members and non-members alike."""
+        w = runtime.ensure_joined()
+        if w is None:
+            return None
+        if self._rule is None and self.process_set_id is not None and self._round != w.round_id:
+            bind(self)                       # raises ProcessSetStaleError
+        if not self.included():
+            return None
+        binding = bind(self)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM if op == collectives.Average else _REDUCE_OPS[op]
+        group = binding.group_for(tensor)
+        try:
+            work = group.allreduce([tensor], opts)
+        except Exception as exc:  # noqa: BLE001 - a failed launch means a peer is gone
+            raise WorkersDepartedError(f"allreduce over {self!r} failed: {exc}") from exc
+        w.progress.issue()
+        return (work, tensor, op, binding.size, w)
+
     def __repr__(self):
         what = "rule" if self._rule else self._fixed
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={what})"
@@ -71,6 +97,8 @@ class _GlobalProcessSet(ProcessSet):
 
 global_process_set = _GlobalProcessSet()
 _registered = {0: global_process_set}
+_REDUCE_OPS = {collectives.Sum: dist.ReduceOp.SUM, collectives.Min: dist.ReduceOp.MIN,
+               collectives.Max: dist.ReduceOp.MAX, collectives.Product: dist.ReduceOp.PRODUCT}
 _next_id = [1]
 _generations = {}      # (round, ranks) -> times built, so a re-added set gets a fresh prefix
 _lock = threading.Lock()

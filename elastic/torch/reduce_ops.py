@@ -9,7 +9,8 @@ gloo cannot reduce int16, so int16 travels as int32 and comes back as int16.
 import torch
 import torch.distributed as dist
 
-from elastic.torch import adasum, move_ops, negotiation
+from elastic.torch import adasum, matching, move_ops, negotiation
+from elastic.torch.errors import UnsupportedOpError
 from elastic.torch.handles import Handle, claim_name
 from elastic.torch.negotiation import ALLREDUCE, JOIN, REDUCESCATTER, record
 from elastic.torch.process_sets import bind
@@ -60,41 +61,45 @@ def _identity_like(tensor, op):
 
 
 def allreduce_async_(tensors, op, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                     process_set=None, kind="allreduce"):
-    """Reduce ``tensors`` (a list) in place; the handle's result is the list."""
+                     process_set=None, kind="allreduce", deferrable=False):
+    """Reduce ``tensors`` (a list) in place; the handle's result is the list.
+
+    ``deferrable``: an async op, which may wait for peers that issue its name later.
+    """
     binding = bind(process_set)
-    name_key = claim_name(kind, name)
     if op == Adasum:
         adasum.check(tensors, binding)
+    name_key = claim_name(kind, name)
     if binding is None or binding.size == 1:
         for t in tensors:
             scale_(t, prescale_factor * postscale_factor)
         return Handle(name_key=name_key, finish=lambda: tensors)
-    rec = record(ALLREDUCE, tensors, op=OP_CODES[op], name=name)
-    outcome = negotiation.negotiate(binding, rec, kind)
-    if outcome.error is not None:
-        return Handle.failed(outcome.error, name_key)
-    if outcome.joined:
-        _describe_for_joined(binding, outcome, tensors)
-    for t in tensors:
-        scale_(t, prescale_factor)
-    if op == Adasum:
-        adasum.allreduce_(tensors, binding)
+
+    def issue(outcome):
+        if outcome.joined:
+            _describe_for_joined(binding, outcome, tensors)
         for t in tensors:
-            scale_(t, postscale_factor)
-        return Handle(name_key=name_key, finish=lambda: tensors)
-    wires = [t.to(_WIRE[t.dtype]) if t.dtype in _WIRE else t for t in tensors]
-    works = [_issue_allreduce(binding, wire, op) for wire in wires]
-    post = postscale_factor / binding.size if op == Average else postscale_factor
+            scale_(t, prescale_factor)
+        if op == Adasum:
+            adasum.allreduce_(tensors, binding)
+            for t in tensors:
+                scale_(t, postscale_factor)
+            return Handle(name_key=name_key, finish=lambda: tensors)
+        wires = [t.to(_WIRE[t.dtype]) if t.dtype in _WIRE else t for t in tensors]
+        works = [_issue_allreduce(binding, wire, op) for wire in wires]
+        post = postscale_factor / binding.size if op == Average else postscale_factor
 
-    def finish():
-        for t, wire in zip(tensors, wires):
-            if wire is not t:
-                t.copy_(wire)
-            _finish_scale(t, post, op, binding.size, postscale_factor)
-        return tensors
+        def finish():
+            for t, wire in zip(tensors, wires):
+                if wire is not t:
+                    t.copy_(wire)
+                _finish_scale(t, post, op, binding.size, postscale_factor)
+            return tensors
 
-    return Handle(works, finish, binding.worker, name_key, what=kind)
+        return Handle(works, finish, binding.worker, name_key, what=kind)
+
+    rec = record(ALLREDUCE, tensors, op=OP_CODES[op], name=name)
+    return matching.start(binding, rec, kind, issue, name_key, deferrable=deferrable)
 
 
 def _finish_scale(tensor, post, op, size, postscale_factor):
@@ -143,43 +148,45 @@ def split_sizes(dim0, size):
 
 
 def reducescatter_async(tensors, op, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                        process_set=None):
+                        process_set=None, deferrable=False):
     """Reduce, then keep this rank's share of the first dimension; result: list of tensors.
 
     It moves as many bytes as an allreduce (gloo has no uneven reduce-scatter).
     """
     if op not in (Average, Sum):
-        raise ValueError(f"reducescatter supports Average and Sum, not {op!r}")
+        raise UnsupportedOpError(f"reducescatter supports Average and Sum, not {op!r}")
     for t in tensors:
         if t.dim() == 0:
-            raise ValueError("reducescatter needs tensors with at least one dimension")
+            raise UnsupportedOpError("reducescatter needs tensors with at least one dimension")
     work = [t.detach().clone() for t in tensors]
     binding = bind(process_set)
     if binding is None or binding.size == 1:
         return allreduce_async_(work, op, prescale_factor, postscale_factor, name, process_set,
                                 kind="reducescatter")
     name_key = claim_name("reducescatter", name)
+
+    def issue(outcome):
+        for t in work:
+            scale_(t, prescale_factor)
+        wires = [t.to(_WIRE[t.dtype]) if t.dtype in _WIRE else t for t in work]
+        works = [_issue_allreduce(binding, wire, op) for wire in wires]
+        post = postscale_factor / binding.size if op == Average else postscale_factor
+
+        def finish():
+            out = []
+            for t, wire in zip(work, wires):
+                sizes = split_sizes(t.shape[0], binding.size)
+                start = sum(sizes[:binding.rank])
+                piece = wire[start:start + sizes[binding.rank]].to(t.dtype).clone()
+                _finish_scale(piece, post, op, binding.size, postscale_factor)
+                out.append(piece)
+            return out
+
+        return Handle(works, finish, binding.worker, name_key, what="reducescatter")
+
     rec = record(REDUCESCATTER, work, op=OP_CODES[op], name=name)
-    outcome = negotiation.negotiate(binding, rec, "reducescatter")
-    if outcome.error is not None:
-        return Handle.failed(outcome.error, name_key)
-    for t in work:
-        scale_(t, prescale_factor)
-    wires = [t.to(_WIRE[t.dtype]) if t.dtype in _WIRE else t for t in work]
-    works = [_issue_allreduce(binding, wire, op) for wire in wires]
-    post = postscale_factor / binding.size if op == Average else postscale_factor
-
-    def finish():
-        out = []
-        for t, wire in zip(work, wires):
-            sizes = split_sizes(t.shape[0], binding.size)
-            start = sum(sizes[:binding.rank])
-            piece = wire[start:start + sizes[binding.rank]].to(t.dtype).clone()
-            _finish_scale(piece, post, op, binding.size, postscale_factor)
-            out.append(piece)
-        return out
-
-    return Handle(works, finish, binding.worker, name_key, what="reducescatter")
+    return matching.start(binding, rec, "reducescatter", issue, name_key,
+                          deferrable=deferrable)
 
 
 def join(device=-1, process_set=None):

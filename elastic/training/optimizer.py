@@ -19,20 +19,15 @@ trainable set changes.
 
 import contextlib
 import threading
+import warnings
 import weakref
 
 import torch
 
-from elastic.exceptions import WorkersDepartedError
+from elastic.exceptions import ElasticError, WorkersDepartedError
+from elastic.training import optimizer_checks as checks
 from elastic.training.compression import Compression, FP16Compressor, NoneCompressor
-from elastic.training.optimizer_checks import (
-    check_groups,
-    check_names,
-    check_passes,
-    check_process_set,
-    default_bucket_cap_mb,
-)
-from elastic.training.optimizer_layout import build_buckets, detach_views, zero_grad
+from elastic.training.optimizer_layout import build_buckets, detach_views, launch_bucket, zero_grad
 from elastic.worker import collectives, runtime
 from elastic.worker.collectives import Average, ReduceOp
 
@@ -73,13 +68,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"gradient_predivide_factor must be > 0, "
                                  f"not {gradient_predivide_factor!r}")
         self._opt, self._compression, self._op = optimizer, compression, op
-        self._k = check_passes(backward_passes_per_step)
+        self._k = checks.check_passes(backward_passes_per_step)
         self._cap = max(1, int(bucket_cap_mb * 2 ** 20))
-        self._names = check_names(optimizer, named_parameters)
-        self._groups = check_groups(groups, optimizer)
+        self._names = checks.check_names(optimizer, named_parameters)
+        self._groups = checks.check_groups(groups, optimizer)
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = bool(sparse_as_dense)
-        self._process_set = check_process_set(process_set)
+        self._process_set = checks.check_process_set(process_set)
         self._lock = threading.Lock()
         self._hook_handles, self._hooked = [], set()
         weakref.finalize(self, _remove_hooks, self._hook_handles)
@@ -122,7 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes):
         """Change how many backward passes accumulate before the reduction; restarts counting."""
-        passes = check_passes(passes)
+        passes = checks.check_passes(passes)
         with self._lock:
             if any(b.handle is not None for b in self._buckets or ()):
                 raise RuntimeError("set_backward_passes_per_step() while gradients are being "
@@ -133,6 +128,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     gradient_predivide_factor, sparse_as_dense, process_set = (
         property(lambda self, _n=n: getattr(self, _n))
         for n in ("_predivide", "_sparse_as_dense", "_process_set"))
+
+    # Names from named_parameters, else allreduce.noname.<i> by position, as in Horovod
+    # (whose scripts read _parameter_names).
+    parameter_names = _parameter_names = property(lambda self: dict(self._names))
 
     @property
     def bucket_count(self):
@@ -188,6 +187,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Gradients computed inside a closure are synchronized after each call of it.
         """
+        if self._synchronized and not self._skip:
+            warnings.warn(checks.STEP_AFTER_SYNCHRONIZE, UserWarning, stacklevel=2)
         if closure is not None:
             def synced_closure():
                 loss = closure()
@@ -349,7 +350,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     bucket.ready += 1
                     if bucket.ready == len(bucket.params):
                         self._launch_in_order()
-            except WorkersDepartedError as exc:  # raised from synchronize(), not mid-backward
+            except ElasticError as exc:  # raised from synchronize(), not mid-backward
                 self._error = exc
 
     def _adopt(self, bucket, i, p):
@@ -420,10 +421,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(wire.view(view.shape))
         if self.gradient_observer is not None:
             self.gradient_observer.local(bucket.flat, bucket.index, len(self._buckets))
-        if self._predivide != 1.0 and self._round:   # not standalone (round 0)
-            bucket.flat.div_(self._predivide)
-        self.wire_bytes += bucket.flat.numel() * bucket.flat.element_size()
-        bucket.handle = collectives.allreduce_async(bucket.flat, self._op)
+        predivide = self._predivide if self._round else 1.0   # not standalone (round 0)
+        bucket.handle, sent = launch_bucket(self._process_set, bucket.flat, self._op, predivide)
+        self.wire_bytes += sent
 
     @torch.no_grad()
     def _finish(self, bucket):
@@ -483,13 +483,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     buckets of at most ``bucket_cap_mb`` MiB (default: $HOROVOD_FUSION_THRESHOLD bytes,
     which ``elasticrun --fusion-threshold-mb`` sets, else 25). Sparse gradients travel dense
     (as with Horovod's ``sparse_as_dense``, which is accepted) and come back sparse.
-    ``process_set``: only the global one. Outside elasticrun (size 1) it steps exactly like the wrapped
+    ``process_set``: gradients are reduced over that set; ranks outside it step with
+    their own gradients, as in Horovod. Outside elasticrun (size 1) it steps exactly like the wrapped
     optimizer. The result is an instance of the wrapped optimizer's class.
     """
     if num_groups and groups is None:
         groups = num_groups
     if bucket_cap_mb is None:
-        bucket_cap_mb = default_bucket_cap_mb()
+        bucket_cap_mb = checks.default_bucket_cap_mb()
     cls = _class_for(optimizer)
     return cls(optimizer, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb)

@@ -5,6 +5,11 @@ import os
 
 import torch
 
+STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() after "
+    "optimizer.synchronize(): wrap step() in `with optimizer.skip_synchronize():` when you "
+    "synchronize yourself (the gradients are not reduced twice either way)")
+
 
 def check_passes(passes):
     if not (isinstance(passes, int) and not isinstance(passes, bool) and passes >= 1):
@@ -13,11 +18,16 @@ def check_passes(passes):
 
 
 def check_process_set(process_set):
-    """Only the global set: gradients are reduced over the round's group."""
+    """None, the global set, or a registered elastic.torch ProcessSet (reduced over its
+    members by its ``reduce_async``)."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return process_set
-    raise ValueError("DistributedOptimizer reduces over every rank of the round; "
-                     "process_set must be global_process_set (see README, Moving from Horovod)")
+    if not (callable(getattr(process_set, "reduce_async", None))
+            and callable(getattr(process_set, "included", None))):
+        raise ValueError(f"process_set must be an elastic.torch ProcessSet, not {process_set!r}")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} is not registered: call add_process_set() first")
+    return process_set
 
 
 def check_groups(groups, optimizer):
@@ -55,7 +65,7 @@ def check_names(optimizer, named_parameters):
     """Names only label errors, but a wrong list usually means the wrong model was passed."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        return {p: f"parameter {i}" for i, p in enumerate(params)}
+        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
     named = list(named_parameters)
     if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                for item in named):

@@ -9,6 +9,8 @@ every rank builds the same one.
 
 import torch
 
+from elastic.worker import collectives
+
 
 class Bucket:
     """One flat buffer, a view per parameter, and the per-cycle bookkeeping."""
@@ -118,3 +120,19 @@ def detach_views(buckets, keep):
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is view:
                     p.grad = view.clone() if keep else None
+
+
+
+def launch_bucket(process_set, flat, op, predivide):
+    """Start a bucket's allreduce over the round, or over a ProcessSet's members; returns
+    (handle, bytes sent). A rank outside the set gets (None, 0): its gradients stay its
+    own. ``predivide`` (gradient_predivide_factor) divides before the sum."""
+    if process_set is None or process_set.process_set_id == 0:
+        reduce_async = collectives.allreduce_async
+    elif process_set.included():
+        reduce_async = process_set.reduce_async
+    else:
+        return process_set.reduce_async(flat, op), 0   # None; raises if the set is stale
+    if predivide != 1.0:
+        flat.div_(predivide)
+    return reduce_async(flat, op), flat.numel() * flat.element_size()

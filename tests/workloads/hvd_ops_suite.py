@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 
+import hvd_fidelity_checks
 import torch
 
 import elastic.torch as hvd
@@ -324,7 +325,7 @@ def allgather_gradient():
         grad_ys = torch.cat([torch.ones([s] + [17] * (dim - 1), dtype=dtype) * i
                              for i, s in enumerate(sizes)])
         hvd.allgather(t).backward(grad_ys)
-        same(t.grad, torch.ones_like(t) * r * n)
+        same(t.grad, torch.ones_like(t) * r)      # the average of equal gradients
 
 
 # -- broadcast ---------------------------------------------------------------------------
@@ -367,7 +368,7 @@ def broadcast_gradient():
     for dtype, dim, root in itertools.product([torch.float32, torch.float64], DIMS, range(n)):
         t = (torch.ones([17] * dim, dtype=dtype) * r).requires_grad_()
         hvd.broadcast(t, root).backward(torch.ones([17] * dim, dtype=dtype))
-        same(t.grad, torch.ones_like(t) * (n if r == root else 0))
+        same(t.grad, torch.ones_like(t) * (1 if r == root else 0))
 
 
 # -- alltoall ----------------------------------------------------------------------------
@@ -459,7 +460,7 @@ def reducescatter_gradient():
         counts = [(2 * n + 1) // n + (1 if k < (2 * n + 1) % n else 0) for k in range(n)]
         expect = torch.cat([torch.full((c, 3), float(k + 1), dtype=torch.float64)
                             for k, c in enumerate(counts)])
-        same(t.grad, expect / (n if op == hvd.Average else 1))
+        same(t.grad, expect * (n if op == hvd.Sum else 1))
 
 
 # -- join --------------------------------------------------------------------------------
@@ -596,6 +597,7 @@ def process_sets_run_ops_among_members():
     raises(ValueError, hvd.add_process_set, [0, n])
 
 
+CHECKS.update(hvd_fidelity_checks.CHECKS)      # issue 34's checks, in the same job
 RESULTS_EXTRA = {}
 
 

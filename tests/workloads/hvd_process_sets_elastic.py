@@ -6,7 +6,9 @@ third worker may join the others a round later).
 ``stale`` is defined by ranks and never re-added: after the change it must
 raise ProcessSetStaleError. ``readded`` (every rank) is removed and added
 again in a reset callback. ``ruled`` is ProcessSet(lambda size: [0, size - 1]): ranks [0, 2]
-in round 1 and [0, 1] after the change, rebuilt by its rule.
+in round 1 and [0, 1] after the change, rebuilt by its rule. ``opt`` is a
+DistributedOptimizer over ``stale``: it averages ranks 0 and 1, rank 2 steps
+alone, and after the change its step() raises ProcessSetStaleError everywhere.
 """
 
 import json
@@ -20,10 +22,14 @@ import elastic.torch as hvd
 OUT = os.environ["JOB_OUT"]
 hvd.init()
 sets = {}
+optimizers = {}
 
 
 def register():
     sets["stale"] = hvd.add_process_set([0, 1])
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizers["opt"] = (weight, hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1.0),
+                                                          process_set=sets["stale"]))
     sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
     sets["ruled"] = hvd.add_process_set(hvd.ProcessSet(lambda size: [0, size - 1]))
 
@@ -36,6 +42,18 @@ def on_reset():
 
 state = hvd.elastic.ObjectState(batch=0)
 state.register_reset_callbacks([on_reset])
+
+
+def try_step():
+    weight, opt = optimizers["opt"]
+    before = float(weight[0])
+    opt.zero_grad()
+    (weight * (hvd.rank() + 1)).sum().backward()
+    try:
+        opt.step()
+    except hvd.ProcessSetStaleError as exc:
+        return type(exc).__name__
+    return before - float(weight[0])
 
 
 def try_sum(ps):
@@ -62,6 +80,7 @@ def train(state):
         try:
             for key, ps in sets.items():
                 record[key] = try_sum(ps)
+            record["opt"] = try_step()
         except hvd.HorovodInternalError:     # rank 2 left: the run loop restores and rejoins
             with open(f"{OUT}/departed.{os.getpid()}", "w") as f:
                 f.write(str(hvd.rank()))
