@@ -657,7 +657,7 @@ def bench_ops():
         ms(g), ms(loose), f"{g / loose:.2f}×", "—", "—")
     NOTES.append("ops: medians of per-call times, the two sides alternating call by call "
                  "(robust to this shared machine's load spikes); the check is one allgather "
-                 "of 19 int64 per op (per group)")
+                 "of 29 int64 per op (per group)")
 
 
 def table():

@@ -277,3 +277,16 @@ def test_gloo_reduced_gradients_equal_a_reference_average(tmp_path):
                 assert r[name][step]["views"], name
                 for got, want in zip(r[name][step]["reduced"], expected):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_too_many_backward_passes_raise_horovods_assertion_error_from_backward():
+    model = _model()
+    dopt = DistributedOptimizer(_sgd(model), backward_passes_per_step=2)
+    x, y = _batch(0)
+    for _ in range(2):
+        ((model(x) - y) ** 2).mean().backward()
+    with pytest.raises(AssertionError, match="backward_passes_per_step=3"):
+        ((model(x) - y) ** 2).mean().backward()
+    dopt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    dopt.step()                                   # usable again after zero_grad()

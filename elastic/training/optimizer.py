@@ -340,7 +340,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     passes = self._count[n] + 1
                 self._count[n] = passes
                 if passes > self._k:
-                    raise RuntimeError(
+                    raise checks.TooManyBackwardPassesError(
                         f"gradient of {self._names.get(p, 'a parameter')} was computed {passes} "
                         f"times before step(); set backward_passes_per_step={passes} or call "
                         "step() or synchronize() after each backward pass")
@@ -351,6 +351,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if bucket.ready == len(bucket.params):
                         self._launch_in_order()
             except ElasticError as exc:  # raised from synchronize(), not mid-backward
+                if isinstance(exc, checks.TooManyBackwardPassesError):
+                    raise                    # a usage error: from backward(), as in Horovod
                 self._error = exc
 
     def _adopt(self, bucket, i, p):

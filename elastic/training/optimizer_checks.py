@@ -5,10 +5,17 @@ import os
 
 import torch
 
+from elastic.exceptions import ElasticError
+
 STEP_AFTER_SYNCHRONIZE = (
     "optimizer.step() called without optimizer.skip_synchronize() after "
     "optimizer.synchronize(): wrap step() in `with optimizer.skip_synchronize():` when you "
     "synchronize yourself (the gradients are not reduced twice either way)")
+
+
+class TooManyBackwardPassesError(ElasticError, AssertionError):
+    """A gradient was computed more often than backward_passes_per_step before step():
+    an AssertionError, as Horovod raises it from backward(), and a RuntimeError."""
 
 
 def check_passes(passes):
