@@ -29,6 +29,8 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q torch==2.13.0 numpy cloudpickle filelock xxhash pytest matplotlib
 	# The cluster tests: PyYAML parses the Kubernetes examples; ray runs elastic.ray on a local cluster.
 	$(PY) -m pip install -q pyyaml "ray>=2.9"
+	# --metrics-port and --tensorboard (tests/test_metrics.py).
+	$(PY) -m pip install -q "prometheus_client>=0.20" tensorboard
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -8,6 +8,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.3", "cloudpickle", "filelock", "xxhash>=3"],
     extras_require={"report": ["matplotlib"], "test": ["pytest", "pyyaml"],
-                    "ray": ["ray>=2.9"]},
-    entry_points={"console_scripts": ["elasticrun = elastic.runner.cli:main"]},
+                    "ray": ["ray>=2.9"], "metrics": ["prometheus_client>=0.20"],
+                    "tensorboard": ["tensorboard"]},
+    entry_points={"console_scripts": ["elasticrun = elastic.runner.cli:main",
+                                    "elasticctl = elastic.ctl.cli:main"]},
 )

@@ -47,6 +47,7 @@ ENV_CHECKPOINT_WRITE_TIMEOUT = "ELASTIC_CHECKPOINT_WRITE_TIMEOUT"
 ENV_CHECKPOINT_RETRY = "ELASTIC_CHECKPOINT_RETRY"  # seconds between tries for a held lock
 ENV_CHECKPOINT_TEST_HOLD = "ELASTIC_CHECKPOINT_TEST_HOLD"    # test hooks: slow a write down
 ENV_CHECKPOINT_TEST_DELAY = "ELASTIC_CHECKPOINT_TEST_DELAY"
+ENV_JOBS_DIR = "ELASTIC_JOBS_DIR"            # where drivers leave job files for elasticctl
 
 # -- membership <-> environment ---------------------------------------------------------------
 MEMBERSHIP_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
@@ -249,6 +250,20 @@ class Keys:
     def leaving(worker_id):
         """Set by a worker that got SIGTERM: it leaves at its next commit (preempted)."""
         return f"worker/{worker_id}/leaving"
+
+    # -- elasticctl: status and steering (issue 30) -------------------------------------------
+    CTL_HELLO = "ctl/hello"                # the driver's sealed {"pid"}: the secret is right
+    CTL_INBOX = "ctl/inbox"                # Doorbell: names of elasticctl's requests
+
+    @staticmethod
+    def ctl_request(name):
+        """Sealed {"op": "status"|"drain"|"stop"|"resize", ...} from elasticctl."""
+        return f"ctl/request/{name}"
+
+    @staticmethod
+    def ctl_reply(name):
+        """The driver's sealed answer to request ``name``."""
+        return f"ctl/reply/{name}"
 
 
 # -- joining agents (elasticrun --serve / --join) ---------------------------------------------

@@ -48,6 +48,7 @@ class World:
         self.stop_signal = None
         self.exits = []
         self.reports = 0
+        self.drained = frozenset()     # elasticctl drain
 
     def facts(self, liveness=False):
         # Every member of the current round joined it unless a test says otherwise.
@@ -55,7 +56,7 @@ class World:
         return Facts(job=self.job, limits=self.limits, hosts=self.hosts,
                      workers=dict(self.workers), exits=tuple(self.exits),
                      liveness_checked=liveness, failure_reports=self.reports,
-                     joined=joined, stop_signal=self.stop_signal)
+                     joined=joined, stop_signal=self.stop_signal, drained=self.drained)
 
     def tick(self, now, liveness=False):
         actions = decide(self.facts(liveness), now)
@@ -337,6 +338,47 @@ def test_a_never_admitted_worker_on_a_removed_host_is_stopped():
     world.tick(2.0)                                    # spawns 1 on b, still starting
     world.hosts.update({"a": 1}, 3.0)
     assert world.tick(3.0) == [Stop("1")]
+
+
+# -- steering: elasticctl drain and resize (issue 30) -----------------------------------------
+
+def test_a_drained_host_leaves_at_the_next_commit_unblamed_and_gets_no_new_workers():
+    world = World({"a": 1, "b": 1})
+    world.running()
+    world.drained = frozenset({"b"})
+    (publish,) = world.tick(2.0)                       # no Stop: it leaves at its next commit
+    assert publish.change == "-1 on b" and publish.round_id == 2
+    world.exit("1", 0)
+    assert world.tick(3.0) == [Removed("1", "b")]
+    assert world.hosts.blacklisted(3.0) == ()          # drained, not blamed
+    world.hosts.update({"a": 1, "b": 2}, 4.0)          # discovery still lists it: it stays out
+    assert world.tick(4.0) == []
+
+
+def test_a_never_admitted_worker_on_a_drained_host_is_stopped():
+    world = World({"a": 1}, Limits(np=1, min_np=1))
+    world.running()
+    world.hosts.update({"a": 1, "b": 1}, 2.0)
+    world.tick(2.0)                                    # spawns 1 on b, still starting
+    world.drained = frozenset({"b"})
+    assert world.tick(3.0) == [Stop("1")]
+
+
+def test_a_lower_max_np_publishes_a_smaller_round_and_a_higher_one_spawns_again():
+    world = World({"a": 2, "b": 2}, Limits(np=4, min_np=1))
+    world.running()
+    world.limits = dataclasses.replace(world.limits, max_np=2)
+    (publish,) = world.tick(2.0)                       # b's workers leave at their next commit
+    assert publish.round_id == 2 and [m["host"] for m in publish.members] == ["a", "a"]
+    world.exit("2", 0)
+    world.exit("3", 0)
+    assert world.tick(3.0) == [Removed("2", "b"), Removed("3", "b")]
+    world.limits = dataclasses.replace(world.limits, max_np=3)
+    actions = world.tick(4.0)
+    assert kinds(actions) == ["Spawn"] and actions[0].host == "b"
+    world.ready(actions[0].worker_id)
+    (publish,) = world.tick(5.0)
+    assert publish.round_id == 3 and len(publish.members) == 3
 
 
 # -- the final round --------------------------------------------------------------------------

@@ -104,6 +104,12 @@ def build_parser():
                         "ELASTIC_CHECKPOINT_DIR): rerunning the same command resumes there")
     p.add_argument("--event-log", help="append JSON-lines events (rounds, failures, pauses, "
                    "progress) to this file; `python -m elastic.runner.timeline FILE` draws them")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (0: any free "
+                        "port, logged); needs prometheus_client")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write world size, pauses and report_progress numbers as TensorBoard "
+                        "scalars in DIR; needs tensorboard")
     p.add_argument("--serve", action="store_true",
                    help="run the driver only: admit the agents that join it "
                         "(elasticrun --join) instead of launching workers")
@@ -226,8 +232,16 @@ def config_from_args(args):
             open(args.event_log, "a").close()
         except OSError as exc:
             raise UsageError(f"--event-log {args.event_log!r}: {exc.strerror}") from None
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port {args.metrics_port} is not a port number")
+    if args.tensorboard:
+        try:
+            os.makedirs(args.tensorboard, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--tensorboard {args.tensorboard!r}: {exc.strerror}") from None
     return JobConfig(
-        command=command, discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
+        command=command, metrics_port=args.metrics_port, tensorboard=args.tensorboard,
+        discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
         discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
         worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,

@@ -155,6 +155,7 @@ class Facts:
     failure_reports: int = 0            # the current round's failure counter
     joined: int = 0                     # members that joined the current round so far
     stop_signal: int | None = None      # SIGTERM/SIGINT to elasticrun
+    drained: frozenset = frozenset()    # hosts `elasticctl drain` took out: their workers leave
 
 
 # -- actions ----------------------------------------------------------------------------------

@@ -41,14 +41,15 @@ from elastic.runner.decisions import (
     StartFinishing,
     Stop,
     Stopped,
-    WorkerView,
     evolve,
 )
 from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
 from elastic.runner.policy import can_skip, decide
-from elastic.runner.stalls import Liveness, exit_poll_interval, heartbeat_interval, heartbeat_read_interval
+from elastic.runner.records import Observed, WorkerRecord
+from elastic.runner.stalls import exit_poll_interval, heartbeat_interval, heartbeat_read_interval
+from elastic.runner.watch import Watch, WatchError
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05
@@ -96,41 +97,8 @@ class JobConfig:
     stall_timeout: float = 600.0      # evict a rank its peers waited on this long
     preempted_hold: float = 60.0      # a preempted host that discovery keeps listing returns
     console: object = None            # console.Console (cli builds it from the output flags)
-
-
-@dataclass
-class WorkerRecord:
-    worker_id: str
-    host: str
-    slot: int
-    proc: object
-    started: float
-    ready: bool = False
-    stopped: bool = False
-    heartbeat: int = 0
-    heartbeat_at: float = 0.0
-    liveness: Liveness = None
-    leaving: dict = None              # its SIGTERM report (Keys.leaving)
-    leaving_since: float = None
-
-    def __post_init__(self):
-        self.liveness = Liveness(beat_at=self.started, progress_at=self.started)
-
-    def view(self):
-        return WorkerView(self.worker_id, self.host, self.slot, self.started, ready=self.ready,
-                          stopped=self.stopped, beats=self.heartbeat,
-                          heartbeat_at=self.heartbeat_at, liveness=self.liveness,
-                          leaving=self.leaving, leaving_since=self.leaving_since)
-
-
-@dataclass
-class Observed:
-    """What one tick saw, before deciding whether ``decide`` needs to run."""
-    exits: list
-    liveness_checked: bool
-    failure_reports: int
-    joined: int
-    unready: int                      # live workers neither ready nor stopped
+    metrics_port: int = None          # serve Prometheus metrics here (runner/metrics.py)
+    tensorboard: str = None           # write TensorBoard scalars in this directory
 
 
 class Driver:
@@ -187,6 +155,7 @@ class Driver:
                             f"{' '.join(str(exc).split())[:200]}") from None
         self.store_port, self.control = self.plane.port, self.plane.store
         self.reporter = RoundReporter(self.events, self.control)
+        self.watch = Watch(self)                    # status, steering, metrics (elasticctl)
         if serving:
             self.cfg.backend.attach(self.plane.binding.local_connect_address(), self.store_port,
                                     self.secret, self.sink)
@@ -211,11 +180,14 @@ class Driver:
                         if outcome is not None:
                             return outcome
                 self.reporter.poll(now)
+                if self.watch.tick(now):
+                    self._settled_at = None          # steered: decide looks again
                 self.plane.heal(now)
                 time.sleep(TICK_S)
         finally:
             background.stop(timeout=1.0)
             self.reporter.flush()
+            self.watch.close()
             self._stop_all()
             if self.cfg.backend is not None:
                 self.cfg.backend.close(0 if self.job.final_round is not None else 1)
@@ -262,7 +234,7 @@ class Driver:
                      workers={wid: w.view() for wid, w in self.workers.items()},
                      exits=tuple(seen.exits), liveness_checked=seen.liveness_checked,
                      failure_reports=seen.failure_reports, joined=seen.joined,
-                     stop_signal=self.stop_signal)
+                     stop_signal=self.stop_signal, drained=self.watch.drained)
 
     def _observe(self, now):
         """This tick's observations: exits (every stalls.exit_poll_interval), registrations,
@@ -489,7 +461,7 @@ def run_job(config):
     install_signal_handlers(driver)
     try:
         return driver.run()
-    except JobFailed as exc:
+    except (JobFailed, WatchError) as exc:
         driver.events.emit("job_failed", reason=str(exc))
         driver.sink.report()                            # the root cause, then the reason
         sys.stderr.write(f"elasticrun: error: {exc}\n")

@@ -17,13 +17,17 @@ PROGRESS_EVERY_S = 10.0
 
 
 class EventLog:
-    """Appends one JSON object per line; a no-op without a path."""
+    """Appends one JSON object per line (without a path, none), and hands each event to
+    its listeners (the live view, metrics and TensorBoard: runner/watch.py)."""
 
     def __init__(self, path=None):
         self._file = open(path, "a", buffering=1) if path else None
         self._lock = threading.Lock()
+        self.listeners = []           # callables taking (event, fields)
 
     def emit(self, event, **fields):
+        for listener in self.listeners:
+            listener(event, fields)
         if self._file is None:
             return
         record = {"time": round(time.time(), 4), "event": event}

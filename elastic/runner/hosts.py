@@ -157,6 +157,10 @@ class HostManager:
         """Hosts barred at ``now`` (discovered or not), first-seen order."""
         return tuple(h for h in self._ordered(self._until) if self.is_blacklisted(h, now))
 
+    def cooldowns(self, now: float) -> dict[str, float]:
+        """Barred hosts -> seconds until they may return (inf: never), first-seen order."""
+        return {h: self._until[h] - now for h in self.blacklisted(now)}
+
     def returning(self, now: float) -> tuple[str, ...]:
         """Discovered hosts whose cooldown expired since the previous call.
 

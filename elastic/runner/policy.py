@@ -371,11 +371,11 @@ class _Tick:
 
     # -- membership -----------------------------------------------------------------------
     def wanted_hosts(self):
-        """host -> the slots wanted there: available and not preempted, first-seen order."""
-        available, preempted = self.hosts.available(self.now), self.job.preempted
-        if not preempted:
-            return available
-        return {h: n for h, n in available.items() if h not in preempted}
+        """host -> the slots wanted there: available, neither preempted nor drained."""
+        available, out = self.hosts.available(self.now), self.job.preempted
+        if self.facts.drained:
+            out = {**out, **dict.fromkeys(self.facts.drained)}
+        return {h: n for h, n in available.items() if h not in out} if out else available
 
     def reconcile(self):
         job, limits = self.job, self.limits

@@ -26,6 +26,10 @@ class Liveness:
     waiting: dict = None          # {"what", "round", "on_peers", "seconds"} or None
     warned: bool = False          # the stall warning for this episode was printed
     leaving: bool = False
+    commit_count: int = 0         # for elasticctl: commits, when the count last moved, a rate
+    commit_at: float = 0.0
+    commit_rate: float = None     # commits per second (smoothed over beats)
+    seconds: dict = None          # {"commit": s, "sync": s}: how long the last ones took
 
     def update(self, value, now):
         """Take a heartbeat value; True when it is a new beat."""
@@ -40,7 +44,18 @@ class Liveness:
             self.warned = False
         self.waiting = waiting if isinstance(waiting, dict) else None
         self.leaving = bool(value.get("leaving"))
+        self.count_commits(progress[1], now)
+        seconds = value.get("seconds")
+        self.seconds = seconds if isinstance(seconds, dict) else None
         return True
+
+    def count_commits(self, commits, now):
+        if commits == self.commit_count:
+            return
+        if self.commit_at and commits > self.commit_count and now > self.commit_at:
+            rate = (commits - self.commit_count) / (now - self.commit_at)
+            self.commit_rate = rate if self.commit_rate is None else (self.commit_rate + rate) / 2
+        self.commit_count, self.commit_at = commits, now
 
     def waited(self, now):
         """How long it has waited on peers, as of now; 0 when it does not."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 import warnings
 
 import torch
@@ -89,6 +90,7 @@ class State:
 
     def commit(self) -> None:
         """Snapshot to host memory, then learn collectively whether a round is pending."""
+        started = time.perf_counter()
         self.save()
         self._version = max(self._version, 0) + 1
         w = runtime.worker()
@@ -98,6 +100,8 @@ class State:
         if self._checkpoint is not None:
             self._checkpoint.after_commit(self)
         self.check_host_updates()
+        if w is not None:
+            w.progress.timed("commit", time.perf_counter() - started)
 
     def restore(self) -> None:
         if not self._snapshot.empty:
@@ -131,6 +135,7 @@ class State:
     def sync(self) -> None:
         """Bring every rank to the newest commit, moving bytes only where needed."""
         w = runtime.worker()
+        started = time.perf_counter()
         if self._checkpoint is not None:
             self._checkpoint.before_sync(self)   # rank 0 of a fresh job loads the newest
         self.sync_stats["syncs"] += 1
@@ -152,6 +157,7 @@ class State:
         elif rt is not None and me in rt.receivers:
             self._receive(rt, me)
         self._after_sync(max(newest, 0))
+        w.progress.timed("sync", time.perf_counter() - started)
 
     # -- internals ------------------------------------------------------------------------------
     def _reserve_for_sync(self):

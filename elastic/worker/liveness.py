@@ -30,6 +30,7 @@ class Progress:
         self.issued = 0         # collectives started (DistributedOptimizer's hooks in backward)
         self.commits = 0
         self._waiting = None    # (what, round id, on peers, start) while the thread waits
+        self.seconds = {}       # "commit"/"sync" -> how long the last one took (elasticctl)
 
     def begin_wait(self, what, round_id, on_peers=True):
         """``on_peers``: False for waits on the driver (for a round to be published)."""
@@ -45,9 +46,13 @@ class Progress:
     def issue(self):
         self.issued += 1
 
+    def timed(self, what, seconds):
+        self.seconds = {**self.seconds, what: round(seconds, 6)}
+
     def report(self):
         waiting = self._waiting
-        value = {"waits": self.waits + self.issued, "commits": self.commits, "waiting": None}
+        value = {"waits": self.waits + self.issued, "commits": self.commits, "waiting": None,
+                 "seconds": self.seconds}
         if waiting is not None:
             what, round_id, on_peers, since = waiting
             value["waiting"] = {"what": what, "round": round_id, "on_peers": on_peers,

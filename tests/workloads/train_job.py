@@ -125,7 +125,7 @@ def main():
                 everyone = elastic.allgather_object(batch)
                 state.sampler.record_indices(batch)
                 state.step = step
-                elastic.report_progress(step=step, samples=len(everyone) * BATCH)
+                elastic.report_progress(step=step, samples=len(everyone) * BATCH, loss=loss.item())
                 state.history.append([state.epoch, step, sorted(i for b in everyone for i in b)])
                 w = elastic.worker.runtime.worker()
                 log.write(json.dumps({

@@ -1,0 +1,5 @@
+import sys
+
+from elastic.ctl.cli import main
+
+sys.exit(main())

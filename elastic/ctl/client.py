@@ -1,0 +1,126 @@
+"""elasticctl's end of the control store: find the job, send a sealed request, read
+the sealed answer (runner/steering.py is the driver's end)."""
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+from elastic.exceptions import ElasticError
+from elastic.protocol import ENV_SECRET_FILE, ControlStore, Doorbell, Keys, connect
+from elastic.runner import jobfiles, serve
+
+RERING_S = 1.0           # a request whose ring was lost (the inbox was emptied) rings again
+POLL_S = 0.05
+
+
+class CtlError(ElasticError):
+    """elasticctl cannot do what was asked; str() is the one line it prints."""
+
+
+@dataclass(frozen=True)
+class Target:
+    address: str
+    port: int
+    secret: str
+    label: str             # how messages name the job
+
+
+def parse_addr(text):
+    """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CtlError(f"--addr {text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def find_target(job=None, addr=None, secret_file=None, environ=None):
+    """The job to talk to: ``--addr`` with its secret, else a job file on this machine."""
+    env = os.environ if environ is None else environ
+    if addr:
+        host, port = parse_addr(addr)
+        path = secret_file or env.get(ENV_SECRET_FILE)
+        if not path:
+            raise CtlError("--addr needs the job secret: --secret-file FILE "
+                           f"(or {ENV_SECRET_FILE})")
+        try:
+            secret = serve.read_secret(path)
+        except ValueError as exc:
+            raise CtlError(str(exc)) from None
+        return Target(host, port, secret, f"{host}:{port}")
+    directory = jobfiles.jobs_dir(env)
+    jobs = jobfiles.running(directory)
+    if job is not None:
+        jobs = [r for r in jobs if r["pid"] == job]
+        if not jobs:
+            raise CtlError(f"no running elasticrun job with pid {job} (job files: {directory})")
+    if not jobs:
+        raise CtlError(f"no running elasticrun job found (job files: {directory}); for a job "
+                       "on another machine give --addr HOST:PORT --secret-file FILE")
+    if len(jobs) > 1:
+        pids = ", ".join(str(r["pid"]) for r in jobs)
+        raise CtlError(f"{len(jobs)} jobs are running here (pids {pids}): choose one with "
+                       "--job PID")
+    record = jobs[0]
+    try:
+        return Target(record["address"], int(record["port"]), record["secret"],
+                      f"pid {record['pid']}")
+    except (KeyError, TypeError, ValueError):
+        raise CtlError(f"the job file of pid {record['pid']} in {directory} is damaged") from None
+
+
+class Client:
+    """One connection to a job's control store, holding its secret."""
+
+    def __init__(self, target, timeout=10.0):
+        self.target, self.timeout = target, timeout
+        try:
+            store = connect(target.address, target.port, timeout)
+        except (RuntimeError, OSError) as exc:
+            raise CtlError(f"cannot reach the job's control store at {target.address}:"
+                           f"{target.port} ({' '.join(str(exc).split())[:160]})") from None
+        self.control = ControlStore(store, target.secret, warn=lambda message: None)
+        if self._get(Keys.CTL_HELLO) is None:
+            raise CtlError(f"no elasticrun job with this secret answers at {target.address}:"
+                           f"{target.port} (wrong secret, or not an elasticrun control store)")
+
+    def _get(self, key):
+        try:
+            return self.control.get(key)
+        except (RuntimeError, OSError):
+            raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
+
+    def request(self, op, **args):
+        """The driver's answer to one request; CtlError when it refuses or is gone."""
+        name = secrets.token_hex(12)
+        key, reply_key = Keys.ctl_request(name), Keys.ctl_reply(name)
+        bell = Doorbell(self.control, Keys.CTL_INBOX)
+        try:
+            self.control.put(key, dict(args, op=op))
+            bell.ring(name)
+        except (RuntimeError, OSError):
+            raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
+        started = rung = time.monotonic()
+        while True:
+            reply = self._get(reply_key)
+            if reply is not None:
+                break
+            now = time.monotonic()
+            if now - started > self.timeout:
+                raise CtlError(f"the job ({self.target.label}) did not answer within "
+                               f"{self.timeout:g} s")
+            if now - rung >= RERING_S:
+                rung = now
+                try:
+                    bell.ring(name)
+                except (RuntimeError, OSError):
+                    raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
+            time.sleep(POLL_S)
+        try:
+            self.control.delete(reply_key)
+        except (RuntimeError, OSError):
+            pass
+        if not reply.get("ok"):
+            raise CtlError(str(reply.get("error") or "the driver refused"))
+        return reply

@@ -1,0 +1,41 @@
+"""What the driver keeps about each live worker process, and what one tick saw."""
+
+from dataclasses import dataclass
+
+from elastic.runner.decisions import WorkerView
+from elastic.runner.stalls import Liveness
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    host: str
+    slot: int
+    proc: object
+    started: float
+    ready: bool = False
+    stopped: bool = False
+    heartbeat: int = 0
+    heartbeat_at: float = 0.0
+    liveness: Liveness = None
+    leaving: dict = None              # its SIGTERM report (Keys.leaving)
+    leaving_since: float = None
+
+    def __post_init__(self):
+        self.liveness = Liveness(beat_at=self.started, progress_at=self.started)
+
+    def view(self):
+        return WorkerView(self.worker_id, self.host, self.slot, self.started, ready=self.ready,
+                          stopped=self.stopped, beats=self.heartbeat,
+                          heartbeat_at=self.heartbeat_at, liveness=self.liveness,
+                          leaving=self.leaving, leaving_since=self.leaving_since)
+
+
+@dataclass
+class Observed:
+    """What one tick saw, before deciding whether ``decide`` needs to run."""
+    exits: list
+    liveness_checked: bool
+    failure_reports: int
+    joined: int
+    unready: int                      # live workers neither ready nor stopped
