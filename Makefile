@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install ssh-server test test-fast demo bench scale gpu-check soak lint clean
+.PHONY: install ssh-server tmux test test-fast demo bench scale gpu-check soak lint clean
 
-install: $(STAMP) ssh-server
+install: $(STAMP) ssh-server tmux
 
 # tests/test_remote.py runs a throwaway sshd on loopback. Install it when it is
 # missing and we are root on Debian/Ubuntu; otherwise those tests skip.
@@ -19,6 +19,19 @@ ssh-server:
 	      || echo "warning: could not install openssh-server; the ssh tests will skip"; \
 	  else \
 	    echo "note: sshd not found; the ssh tests will skip"; \
+	  fi; \
+	fi
+
+# tests/test_ctl.py runs `elasticctl top` in a real terminal (tmux). Installed like sshd;
+# without it that part skips, saying so.
+tmux:
+	@if ! command -v tmux >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing tmux for the elasticctl top test"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux \
+	      >/dev/null) || echo "warning: could not install tmux; the elasticctl top test will skip"; \
+	  else \
+	    echo "note: tmux not found; the elasticctl top test will skip"; \
 	  fi; \
 	fi
 

@@ -36,7 +36,7 @@ class Watch:
         self.board = StatusBoard()
         self.probe = CheckpointProbe(checkpoint_dir(cfg))
         self.drained = frozenset()
-        self.metrics = self.scalars = None
+        self.metrics = self.scalars = self.job_file = None
         self._summarised_at = -math.inf
         try:
             if cfg.metrics_port is not None:
@@ -53,7 +53,6 @@ class Watch:
             listeners.append(self.scalars.on_event)
         self.inbox = steering.Inbox(driver.control)
         driver.control.put(Keys.CTL_HELLO, {"pid": os.getpid()}, keep=True)
-        self.job_file = None
         try:
             self.job_file = jobfiles.write({
                 "address": driver.plane.binding.local_connect_address(),

@@ -1,0 +1,98 @@
+"""--metrics-port and --tensorboard (issue 30): a real job's numbers, scraped from the real
+prometheus_client endpoint while it runs, and read back from the event file TensorBoard's
+own reader opens. A worker fails on the way, so failures, pauses and the shrunken world
+size must show too.
+"""
+
+import re
+import socket
+import urllib.request
+
+import pytest
+from jobs import Job
+from test_faults import wait_until
+
+from elastic.runner import cli
+
+prometheus_parser = pytest.importorskip("prometheus_client.parser",
+                                        reason="prometheus_client is not installed")
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator",
+    reason="tensorboard is not installed")
+
+
+def scrape(port):
+    """{(name, labels): value} of every sample the endpoint serves now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in prometheus_parser.text_string_to_metric_families(text)
+            for s in family.samples}
+
+
+@pytest.mark.slow
+def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path):
+    board = tmp_path / "tb"
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
+                         "--metrics-port", "0", "--tensorboard", str(board),
+                         "--checkpoint-dir", str(tmp_path / "ckpt")],
+              env={"JOB_HOLD": "8", "JOB_EPOCHS": "2", "JOB_FAULT": "3:1:exit"}).start()
+    port = int(wait_until(lambda: re.search(r"metrics for Prometheus at http://0\.0\.0\.0:(\d+)/",
+                                            job.output()), "the metrics line", 120).group(1))
+    job.wait_step(8)                      # rank 1 failed at step 3; rank 0 holds at step 8
+
+    def settled():
+        m = scrape(port)
+        ready = m.get(("elastic_checkpoint_bytes", ())) and m.get(("elastic_pauses_total", ())) \
+            and m.get(("elastic_commit_seconds", ())) and m.get(("elastic_sync_seconds", ()))
+        return m if ready else None
+
+    m = wait_until(settled, "a checkpoint, a measured pause and commit times to show", 120)
+    assert m[("elastic_world_size", ())] == 1
+    assert m[("elastic_rounds_total", ())] == 2
+    assert m[("elastic_failures_total", ())] == 1
+    assert m[("elastic_blacklisted_hosts", ())] == 1
+    assert m[("elastic_pause_seconds_count", ())] == 1 and m[("elastic_pause_seconds_sum", ())] > 0
+    assert m[("elastic_checkpoint_age_seconds", ())] >= 0
+    assert m[("elastic_progress", (("name", "step"),))] >= 1
+    assert ("elastic_progress", (("name", "loss"),)) in m
+    assert m[("elastic_evicted_total", ())] == 0
+    job.release(8)
+    assert job.finish() == 0, job.output()[-3000:]
+
+    files = list(board.glob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    reader = event_accumulator.EventAccumulator(str(files[0]))
+    reader.Reload()
+    tags = reader.Tags()["scalars"]
+    assert [e.value for e in reader.Scalars("elastic/world_size")] == [2, 1]
+    assert [e.value for e in reader.Scalars("elastic/round")] == [1, 2]
+    (pause,) = reader.Scalars("elastic/pause_seconds")
+    assert pause.value > 0
+    losses = reader.Scalars("progress/loss")
+    assert len(losses) >= 2 and all(a.step <= b.step for a, b in zip(losses, losses[1:]))
+    assert "progress/samples" in tags and "progress/round" not in tags
+
+
+def test_bad_metrics_and_tensorboard_flags_get_one_line(tmp_path, capsys):
+    import sys
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for argv, words in ((["--metrics-port", "70000"], "--metrics-port 70000 is not a port"),
+                        (["--tensorboard", str(blocker / "tb")], "--tensorboard")):
+        assert cli.main(["-np", "1", *argv, sys.executable, "-c", "pass"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.slow
+def test_a_metrics_port_in_use_fails_the_job_with_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        job = Job(tmp_path, ["-np", "1", "--metrics-port", str(port)])
+        assert job.run(timeout=120) == 1
+    out = job.output()
+    assert f"elasticrun: error: --metrics-port {port}: cannot listen" in out, out
+    assert "Traceback" not in out
