@@ -51,7 +51,8 @@ def test_op_behaviour(suite, check):
 def test_process_sets_across_a_membership_change(tmp_path):
     """Ranks-defined sets raise ProcessSetStaleError after a change; re-added and
     rule-defined sets work with the new members. A DistributedOptimizer over a ranks-defined
-    set averages its members and, after the change, raises ProcessSetStaleError on every rank."""
+    set averages its members and, after the change, raises ProcessSetStaleError on every rank;
+    re-adding the set object in a reset callback makes it usable again."""
     job = Job(tmp_path, ["-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1"],
               script=REPO / "tests" / "workloads" / "hvd_process_sets_elastic.py")
     assert job.run() == 0, job.output()[-4000:]
@@ -68,11 +69,12 @@ def test_process_sets_across_a_membership_change(tmp_path):
         if r["rank"] in (0, 2):
             assert r["ruled"] == 1 + 3, r
         assert r["opt"] == (1.5 if r["rank"] in (0, 1) else 3.0), r
+        assert r["opt_again"] == r["rank"] + 1, r
     for r in after:
         assert r["ruled_ranks"] == [0, 1]
         assert r["stale"] == "ProcessSetStaleError", r
         assert r["readded"] == 3 and r["ruled"] == 3, r
-        assert r["opt"] == "ProcessSetStaleError", r
+        assert r["opt"] == "ProcessSetStaleError" and r["opt_again"] == r["rank"] + 1, r
     assert {r["rank"] for r in after} == {0, 1}
     # the survivors learnt of the departure inside an elastic.torch op, as WorkersDepartedError
     assert sorted(p.read_text() for p in job.out.glob("departed.*")) == ["0", "1"]

@@ -9,6 +9,9 @@ again in a reset callback. ``ruled`` is ProcessSet(lambda size: [0, size - 1]): 
 in round 1 and [0, 1] after the change, rebuilt by its rule. ``opt`` is a
 DistributedOptimizer over ``stale``: it averages ranks 0 and 1, rank 2 steps
 alone, and after the change its step() raises ProcessSetStaleError everywhere.
+``opt_again`` is one over the set [0] (a second set of [0, 1] in one round is
+refused) whose set object is removed and added again in the reset callback: it
+keeps stepping after the change.
 """
 
 import json
@@ -23,6 +26,7 @@ OUT = os.environ["JOB_OUT"]
 hvd.init()
 sets = {}
 optimizers = {}
+optimizer_sets = {}
 
 
 def register():
@@ -30,11 +34,18 @@ def register():
     weight = torch.nn.Parameter(torch.zeros(2))
     optimizers["opt"] = (weight, hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1.0),
                                                           process_set=sets["stale"]))
+    again = optimizer_sets["again"] = hvd.add_process_set([0])
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizers["opt_again"] = (weight, hvd.DistributedOptimizer(
+        torch.optim.SGD([weight], lr=1.0), process_set=again))
     sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
     sets["ruled"] = hvd.add_process_set(hvd.ProcessSet(lambda size: [0, size - 1]))
 
 
 def on_reset():
+    if "again" in optimizer_sets:        # the same object, registered for the new round
+        hvd.remove_process_set(optimizer_sets["again"])
+        hvd.add_process_set(optimizer_sets["again"])
     if "readded" in sets:
         hvd.remove_process_set(sets["readded"])
         sets["readded"] = hvd.add_process_set(list(range(hvd.size())))
@@ -44,8 +55,8 @@ state = hvd.elastic.ObjectState(batch=0)
 state.register_reset_callbacks([on_reset])
 
 
-def try_step():
-    weight, opt = optimizers["opt"]
+def try_step(key):
+    weight, opt = optimizers[key]
     before = float(weight[0])
     opt.zero_grad()
     (weight * (hvd.rank() + 1)).sum().backward()
@@ -80,7 +91,8 @@ def train(state):
         try:
             for key, ps in sets.items():
                 record[key] = try_sum(ps)
-            record["opt"] = try_step()
+            record["opt"] = try_step("opt")
+            record["opt_again"] = try_step("opt_again")
         except hvd.HorovodInternalError:     # rank 2 left: the run loop restores and rejoins
             with open(f"{OUT}/departed.{os.getpid()}", "w") as f:
                 f.write(str(hvd.rank()))
