@@ -4,6 +4,7 @@ from elastic.checkpoint.checkpointer import Checkpointer
 from elastic.exceptions import ElasticError, HostsUpdatedInterrupt, WorkersDepartedError
 from elastic.launching.client import LaunchError, launch
 from elastic.state.states import ObjectState, State, TorchState
+from elastic.training.ddp import DDP, DistributedDataParallel
 from elastic.training.global_batch import GlobalBatch, MicroBatch
 from elastic.training.lr_scaling import LRScaler
 from elastic.training.optimizer import Compression, DistributedOptimizer
@@ -50,4 +51,5 @@ __all__ = [
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
     "State", "TorchState", "report_progress", "Compression", "DistributedOptimizer",
     "LRScaler", "GlobalBatch", "MicroBatch", "Checkpointer", "launch", "LaunchError",
+    "DistributedDataParallel", "DDP",
 ]

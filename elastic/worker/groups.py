@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from elastic import protocol
 from elastic.exceptions import WorkersDepartedError
-from elastic.worker import devices, nccl, waiting
+from elastic.worker import devices, nccl, torch_world, waiting
 
 if TYPE_CHECKING:
     from elastic.worker.runtime import Worker
@@ -88,6 +88,7 @@ class RetiredGroups:
         self.waited = 0          # groups that still had work in flight when retired
 
     def retire(self, *groups):
+        torch_world.uninstall_using(groups)     # no default group keeps them alive
         for group in groups:
             if group is not None and all(group is not g for g in self._groups):
                 self._groups.append(group)
@@ -172,7 +173,8 @@ def build_groups(worker: Worker, round_id: int,
                  placement: devices.Placement,
                  rendezvous: dist.Store) -> tuple[TrackedGroup, TrackedGroup]:
     """(cpu group, device group) of ``worker``'s membership in ``round_id``, met
-    through ``rendezvous`` (the round's SignedStore), checked usable by every peer."""
+    through ``rendezvous`` (the round's SignedStore), checked usable by every peer,
+    and installed as torch.distributed's default group (torch_world.py)."""
     m = worker.membership
     cpu, device = form_groups(worker, rendezvous, m.rank, m.size, placement,
                               f"process group for round {round_id}")
@@ -182,4 +184,5 @@ def build_groups(worker: Worker, round_id: int,
     work = waiting.issue(lambda: cpu.allreduce([probe]), f"process group for round {round_id}")
     # round_aborted() reads worker.round_id, which is already this round.
     waiting.wait(work, "group check", worker)
+    torch_world.install(worker, round_id, cpu, device, rendezvous)
     return cpu, device

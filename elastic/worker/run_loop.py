@@ -8,7 +8,7 @@ import time
 from typing import Callable, TypeVar
 
 from elastic.exceptions import HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
-from elastic.worker import error_file, logs, runtime
+from elastic.worker import error_file, logs, runtime, torch_world
 
 log = logging.getLogger(__name__)
 logs.install()
@@ -21,7 +21,8 @@ T = TypeVar("T")
 def run(func: Callable[..., T]) -> Callable[..., T]:
     """Wrap ``func(state, ...)`` so it resumes after failures and new rounds.
 
-    WorkersDepartedError: restore the last commit, then rejoin.
+    WorkersDepartedError (or a torch.distributed error, torch_world.explains): restore
+    the last commit, then rejoin.
     HostsUpdatedInterrupt: every rank is at the same commit; rejoin without restore.
     A failure while rejoining or syncing is handled the same way, so it never
     kills the worker or blacklists its host.
@@ -47,16 +48,20 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
             except StopTraining as exc:
                 log.info("%s", exc)      # a SystemExit(0): the script ends here
                 raise
-            except WorkersDepartedError as exc:
+            except HostsUpdatedInterrupt:
+                paused_at = paused_at or time.monotonic()
+                continue
+            except Exception as exc:
+                # torch.distributed's own errors (user collectives, DDP's backward) too.
+                if not isinstance(exc, WorkersDepartedError) and \
+                        not torch_world.explains(exc, worker):
+                    raise
                 paused_at = paused_at or time.monotonic()
                 log.info("round %d failed (%s); restoring the last commit",
                          worker.round_id if worker else 0, exc)
                 if worker is not None:
                     worker.report_failure()
                 state.restore()
-                continue
-            except HostsUpdatedInterrupt:
-                paused_at = paused_at or time.monotonic()
                 continue
             if worker is not None:
                 worker.report_done()

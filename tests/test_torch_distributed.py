@@ -1,0 +1,123 @@
+"""torch.distributed inside an elastic job: the round as the default group, the
+torchrun variables, and elastic.DDP across a SIGKILL, a scale-up and a graceful
+removal, against a fixed-world run of the same script (tests/workloads/ddp_job.py).
+
+Two jobs serve every check (each multi-process job costs seconds): a fixed
+3-worker run, and one whose world goes 3 -> 2 (SIGKILL mid-backward) -> 3 (a
+host added) -> 2 (that host removed).
+"""
+
+import json
+
+import pytest
+import torch
+from jobs import REPO, Job, sizes_in_order
+
+import elastic
+from elastic.worker import torch_world
+
+DDP_JOB = REPO / "tests" / "workloads" / "ddp_job.py"
+STEPS = 8
+SAMPLES = 24
+
+
+def run_fixed(tmp_path):
+    job = Job(tmp_path, ["-np", "3", "-H", "localhost:3"], env={"DDP_STEPS": str(STEPS)},
+              script=DDP_JOB)
+    assert job.run() == 0, job.output()[-4000:]
+    return job
+
+
+def run_changing(tmp_path):
+    env = {"DDP_STEPS": str(STEPS), "DDP_KILL": "3:2", "DDP_HOLD": "5,6"}
+    job = Job(tmp_path, ["-np", "3", "--min-np", "2", "--max-np", "3"],
+              hosts=["localhost:2", "127.0.0.1:1"], env=env, script=DDP_JOB).start()
+    job.wait_step(5, size=2)                               # rank 2 was killed at step 3
+    job.set_hosts(["localhost:2", "127.0.0.2:1"])           # scale up at step 5's commit
+    job.wait_step(6, size=3)
+    job.set_hosts(["localhost:2"])                          # graceful removal at step 6
+    assert job.finish() == 0, job.output()[-4000:]
+    return job
+
+
+@pytest.fixture(scope="module")
+def ddp_jobs(tmp_path_factory):
+    return (run_fixed(tmp_path_factory.mktemp("ddp_fixed")),
+            run_changing(tmp_path_factory.mktemp("ddp_changing")))
+
+
+def finals(job):
+    out = [json.loads(p.read_text()) for p in sorted(job.out.glob("final.*.json"))]
+    assert len(out) == out[0]["size"], out
+    for key in ("digest", "optimizer", "sampler", "batches", "step"):
+        assert len({json.dumps(f[key]) for f in out}) == 1, key    # ranks bitwise equal
+    return out[0]
+
+
+def contracts(job):
+    return [(r, r["contract"]) for r in job.steps() if "contract" in r]
+
+
+def test_ddp_job_matches_a_fixed_world_run_across_kill_scale_up_and_removal(ddp_jobs):
+    fixed, changing = ddp_jobs
+    assert sizes_in_order(fixed.steps()) == [3]
+    assert sizes_in_order(changing.steps())[-3:] == [2, 3, 2]
+    a, b = finals(changing), finals(fixed)
+    assert a["step"] == b["step"] == STEPS and a["size"] == 2
+    # Exactly once: each epoch's global batches cover every sample once, in both runs.
+    assert a["batches"] == b["batches"]
+    per_epoch = SAMPLES // len(a["batches"][0])
+    for start in range(0, len(a["batches"]), per_epoch):
+        epoch = [i for batch in a["batches"][start:start + per_epoch] for i in batch]
+        assert sorted(epoch) == list(range(SAMPLES))
+    # The same math as the fixed world, up to summation order.
+    got = torch.tensor([v for p in a["params"] for v in p], dtype=torch.float64)
+    want = torch.tensor([v for p in b["params"] for v in p], dtype=torch.float64)
+    assert float((got - want).norm() / want.norm()) < 1e-9
+    # DDP moved to each new round's group instead of being rebuilt.
+    assert max(r["rebinds"] for r in changing.steps()) >= 2
+    assert "killed" in {p.name for p in changing.out.iterdir()}
+
+
+def test_every_round_is_torchs_default_group_with_torchrun_variables(ddp_jobs):
+    fixed, changing = ddp_jobs
+    checked = contracts(fixed) + contracts(changing)
+    rounds = {(id(job), r["round"]) for job in ddp_jobs for r, _ in contracts(job)}
+    assert len(rounds) >= 4
+    for record, c in checked:
+        size, rank = record["size"], record["rank"]
+        assert c["initialized"] and (c["dist_rank"], c["dist_size"]) == (rank, size)
+        assert c["backend"] == "gloo"
+        assert c["env"]["RANK"] == str(rank) and c["env"]["WORLD_SIZE"] == str(size)
+        assert int(c["env"]["LOCAL_RANK"]) < int(c["env"]["LOCAL_WORLD_SIZE"])
+        assert c["env"]["GROUP_RANK"] is not None and c["env"]["MASTER_PORT"] != "0"
+        assert c["all_reduce"] == [float(size)] * 2
+        assert c["subgroup"] == size * (size + 1) / 2          # dist.new_group works
+        assert c["gathered"] == list(range(size))
+    # After a change, a collective on the ended round's group raised at once.
+    later = [c["ended_group"] for r, c in contracts(changing) if c["ended_group"] is not None]
+    assert later and set(later) == {"WorkersDepartedError"}
+
+
+def test_fp16_compression_hook_across_a_change(tmp_path):
+    """torch's fp16 hook through elastic.DDP: ranks stay bitwise equal across a scale-up."""
+    env = {"DDP_STEPS": "4", "DDP_HOLD": "2", "DDP_HOOK": "fp16"}
+    job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3"],
+              hosts=["localhost:2"], env=env, script=DDP_JOB).start()
+    job.wait_step(2)
+    job.set_hosts(["localhost:3"])
+    assert job.finish() == 0, job.output()[-4000:]
+    assert sizes_in_order(job.steps()) == [2, 3]
+    assert finals(job)["step"] == 4
+
+
+def test_outside_elasticrun_ddp_is_the_module_and_no_group_is_installed():
+    elastic.init()
+    net = torch.nn.Linear(3, 1)
+    model = elastic.DDP(net)
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), net(x))
+    assert model.ddp is None and torch_world.current() is None
+    with model.no_sync():
+        model(x).sum().backward()
+    assert list(model.state_dict()) == ["module.weight", "module.bias"]
