@@ -6,7 +6,7 @@ setup(
     description="Elastic data-parallel PyTorch training: workers join and leave while it runs",
     packages=find_packages(include=["elastic", "elastic.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.3", "cloudpickle", "filelock", "xxhash>=3"],
+    install_requires=["torch>=2.3", "cloudpickle", "filelock", "xxhash>=3", "pyyaml"],
     extras_require={"report": ["matplotlib"], "test": ["pytest", "pyyaml"],
                     "ray": ["ray>=2.9"], "metrics": ["prometheus_client>=0.20"],
                     "tensorboard": ["tensorboard"]},

@@ -30,11 +30,13 @@ def main():
     sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=42)
     loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+    # lr x world size (the linear rule), applied inside step() and updated at every
+    # membership change; group["lr"] keeps 1e-3. Made last: it reads the world size,
+    # which joins the job, and the set-up is done by now.
+    state.register_reset_callbacks([elastic.LRScaler(optimizer, base_size=1, rule="linear")])
 
     @elastic.run
     def train(state):
-        for group in optimizer.param_groups:   # runs again after every membership change
-            group["lr"] = 1e-3 * elastic.size()
         while state.epoch < EPOCHS:
             state.sampler.set_epoch(state.epoch)
             for batch_idx, (x, y) in enumerate(loader):

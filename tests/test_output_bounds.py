@@ -12,7 +12,9 @@ import threading
 import pytest
 
 from elastic import streams
+from elastic.runner import agent
 from tests.jobs import REPO, Job, kill_leftover_jobs
+from tests.join_cluster import JoinJob
 
 NOISY = REPO / "tests" / "workloads" / "noisy_output.py"
 
@@ -101,3 +103,53 @@ def test_the_driver_stays_small_under_a_huge_line_and_a_progress_bar(tmp_path, s
     bar = re.findall(rf"^\[0\]<stderr>:training: (\d+)/{steps} ", text, re.M)
     assert 1 <= len(bar) < steps // 10, len(bar)
     assert bar[-1] == str(steps)       # the bar's final state always arrives
+
+
+def test_an_agent_sends_cut_lines_and_counts_what_it_had_to_drop():
+    outbox = agent.Outbox()
+    outbox.line("3", "stdout", b"z" * (agent.MAX_LINE_CHARS * 3))
+    (sent,), _ = outbox.take()
+    assert sent[2] == "z" * agent.MAX_LINE_CHARS + streams.CUT_MARK.format(
+        limit=agent.MAX_LINE_CHARS)
+    for i in range(agent.MAX_QUEUED_LINES + 5):       # the driver reads nothing meanwhile
+        outbox.line("3", "stderr", f"{i}".encode())
+    outbox.line("4", "stdout", b"lost too")
+    outbox.exited("3", 0)
+    lines = []
+    while True:
+        out, exits = outbox.take()
+        lines += out
+        if exits:
+            break
+    assert exits == [["3", 0]]           # after every line, the counts included
+    assert len(lines) == agent.MAX_QUEUED_LINES + 2
+    assert lines[-2:] == [
+        ["3", "stderr", "[elastic: 5 lines dropped: the driver did not read them fast enough]"],
+        ["4", "stdout", "[elastic: 1 lines dropped: the driver did not read them fast enough]"]]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_an_agent_stays_small_too(tmp_path):
+    class NoisyJoinJob(JoinJob):
+        def join_command(self, name, slots=1):
+            return super().join_command(name, slots)[:-1] + [str(NOISY)]
+
+    job = NoisyJoinJob(tmp_path, ["-np", "1"], env={"BLOB_MB": "128", "BAR_STEPS": "100000"})
+    try:
+        job.start()
+        agent_proc = job.join("node-a")
+        job.wait_for(lambda: "<stdout>:ready" in job.agent_output("node-a"), "the worker")
+        before = peak_rss_kb(agent_proc.pid)
+        (job.out / "go").write_text("go")
+        job.wait_for(lambda: "<stdout>:done" in job.agent_output("node-a"), "its output")
+        grown_mb = (peak_rss_kb(agent_proc.pid) - before) / 1024
+        (job.out / "end").write_text("end")
+        assert job.finish() == 0, job.output()[-3000:]
+        print(f"agent peak memory grew {grown_mb:.1f} MB")
+        assert grown_mb < 48, f"the agent's peak memory grew {grown_mb:.0f} MB"
+        # the driver got the line from the agent cut at the agent's limit, and the bar
+        text = job.output()
+        assert streams.CUT_MARK.format(limit=agent.MAX_LINE_CHARS) in text
+        assert "training: 100000/100000" in text
+    finally:
+        job.cleanup()

@@ -38,7 +38,7 @@ ACCEPT_WAIT_S = 30.0
 FLUSH_WAIT_S = 5.0          # a drained agent waits this long for the driver to read its last reports
 DRIVER_LOST_FAILURES = 6    # consecutive failed heartbeats (about 3 s) before giving up
 MAX_REPORT_LINES = 2000
-MAX_LINE_CHARS = 8192           # a longer line reaches the driver cut and marked
+MAX_LINE_CHARS = 8192           # a longer line reaches the driver cut and marked (bytes, as read)
 MAX_QUEUED_LINES = 10 * MAX_REPORT_LINES   # beyond this, lines wait in no queue: dropped, counted
 
 
@@ -64,7 +64,7 @@ class _ForwardingSink(launcher.OutputSink):
     """Prints and keeps worker output locally and queues each line for the driver."""
 
     def __init__(self, output_dir, outbox, quiet=False):
-        super().__init__(output_dir, quiet=quiet)
+        super().__init__(output_dir, quiet=quiet, max_line=MAX_LINE_CHARS)
         self._outbox = outbox
 
     def attach(self, worker_id, stream, name, on_line=None):
@@ -73,7 +73,7 @@ class _ForwardingSink(launcher.OutputSink):
         return super().attach(worker_id, stream, name, on_line=forward)
 
 
-class _Outbox:
+class Outbox:
     """Output lines and exits waiting to go to the driver, in order."""
 
     def __init__(self):
@@ -91,11 +91,15 @@ class _Outbox:
                 key = (worker_id, name)
                 self._dropped[key] = self._dropped.get(key, 0) + 1
                 return
-            for (wid, stream), count in self._dropped.items():
-                self._out.append([wid, stream, f"[elastic: {count} lines dropped: the driver "
-                                               "did not read them fast enough]"])
-            self._dropped.clear()
+            self._tell_dropped()
             self._out.append([worker_id, name, text])
+
+    def _tell_dropped(self):
+        """One line per stream that lost lines to a full queue (the lock is held)."""
+        for (wid, stream), count in self._dropped.items():
+            self._out.append([wid, stream, f"[elastic: {count} lines dropped: the driver "
+                                           "did not read them fast enough]"])
+        self._dropped.clear()
 
     def exited(self, worker_id, code):
         with self._lock:
@@ -103,6 +107,8 @@ class _Outbox:
 
     def take(self):
         with self._lock:
+            if self._dropped and len(self._out) < MAX_QUEUED_LINES:
+                self._tell_dropped()
             out, self._out = self._out[:MAX_REPORT_LINES], self._out[MAX_REPORT_LINES:]
             exits, self._exits = (self._exits, []) if not self._out else ([], self._exits)
         return out, exits
@@ -124,7 +130,7 @@ class Agent:
     def __init__(self, cfg):
         self.cfg = cfg
         self.secret = read_secret_file(cfg.secret_file)
-        self.outbox = _Outbox()
+        self.outbox = Outbox()
         self.sink = _ForwardingSink(cfg.output_dir, self.outbox, cfg.quiet)
         self.workers = {}
         self.index = None

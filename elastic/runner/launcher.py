@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from elastic import protocol
 from elastic.runner import remote
-from elastic.streams import pump_output
+from elastic.streams import MAX_LINE_BYTES, pump_output
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -158,8 +158,10 @@ class OutputSink:
     TAIL_LINES = 20
     TAILS_KEPT = 256                  # workers whose tails are kept (the newest)
 
-    def __init__(self, output_dir=None, quiet=False, timestamps=False, ranks=None):
+    def __init__(self, output_dir=None, quiet=False, timestamps=False, ranks=None,
+                 max_line=MAX_LINE_BYTES):
         self._dir = output_dir
+        self._max_line = max_line
         self._quiet = quiet
         self._timestamps = timestamps
         self._shown_ranks = None if ranks is None else set(ranks)
@@ -224,7 +226,8 @@ class OutputSink:
             self._show(worker_id, name, raw.decode("utf-8", "replace"))
 
         try:
-            pump_output(stream, handle, on_chunk=file.write if file is not None else None)
+            pump_output(stream, handle, on_chunk=file.write if file is not None else None,
+                        max_line=self._max_line)
         finally:
             if file is not None:
                 file.close()
