@@ -289,3 +289,16 @@ def optimizer_reduces_over_its_process_set():
                process_set=hvd.ProcessSet([0]))   # not registered
     finally:
         hvd.remove_process_set(ps)
+    # every rank in a set of its own parity, each set reducing on its own
+    parity = [hvd.add_process_set([k for k in range(n) if k % 2 == p]) for p in (0, 1)]
+    try:
+        mine = parity[r % 2]
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), process_set=mine)
+        (w * (r + 1) ** 2).sum().backward()
+        opt.step()
+        expect = sum((k + 1) ** 2 for k in mine.ranks) / mine.size()
+        same(w.detach(), torch.full((2,), -float(expect)))
+    finally:
+        for s in parity:
+            hvd.remove_process_set(s)
