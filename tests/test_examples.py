@@ -36,3 +36,13 @@ def test_cnn_example_under_elasticrun(tmp_path):
                 "--epochs", "1"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "epoch 0: 2 workers" in run.stdout
+
+
+@pytest.mark.slow
+def test_ddp_example_from_the_torchrun_page_trains_under_elasticrun(tmp_path):
+    run = _run([sys.executable, "-m", "elastic.runner", "-np", "2", "-H",
+                "localhost:1,127.0.0.1:1", sys.executable, "examples/train_ddp.py"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines()
+              if ": 2 workers, loss " in line]
+    assert len(losses) == 3 and losses[-1] < losses[0] / 4, run.stdout
