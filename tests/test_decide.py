@@ -49,6 +49,7 @@ class World:
         self.exits = []
         self.reports = 0
         self.drained = frozenset()     # elasticctl drain
+        self.errors = {}        # worker id -> the error text of its failure report
 
     def facts(self, liveness=False):
         # Every member of the current round joined it unless a test says otherwise.
@@ -56,6 +57,7 @@ class World:
         return Facts(job=self.job, limits=self.limits, hosts=self.hosts,
                      workers=dict(self.workers), exits=tuple(self.exits),
                      liveness_checked=liveness, failure_reports=self.reports,
+                     failure_errors=dict(self.errors),
                      joined=joined, stop_signal=self.stop_signal, drained=self.drained)
 
     def tick(self, now, liveness=False):
@@ -310,13 +312,17 @@ def test_a_worker_that_never_starts_is_evicted_after_the_startup_timeout():
 def test_a_reported_collective_failure_reforms_the_round_after_a_grace_period():
     world = World({"a": 1, "b": 1})
     world.running()
-    world.reports = 1
+    world.reports, world.errors = 1, {"1": "process group for round 1 failed:\n no device"}
     assert world.tick(2.0) == [MarkFailureReport(2.0)]
     assert world.tick(2.0 + FAILURE_REPORT_GRACE_S / 2) == []
     actions = world.tick(2.0 + FAILURE_REPORT_GRACE_S)
-    assert actions[:3] == [Reform("round 1 reported a failed collective; re-forming it"),
-                           Abort(1), MarkFailureReport(None)]
-    assert isinstance(actions[3], Publish) and actions[3].change == ""   # same members again
+    notice = actions[0]
+    assert notice.line == ("round 1 failed: worker 1 on b (rank 1): process group for round 1 "
+                           "failed: no device; re-forming it (1 of 3 with these members)")
+    assert notice.event == "round_failed" and dict(notice.fields) == {
+        "round": 1, "errors": {"1": "process group for round 1 failed: no device"}}
+    assert kinds(actions)[1:5] == ["Track", "Reform", "Abort", "MarkFailureReport"]
+    assert isinstance(actions[5], Publish) and actions[5].change == ""   # same members again
 
 
 # -- removal ----------------------------------------------------------------------------------

@@ -122,7 +122,9 @@ def test_a_stuck_training_thread_is_evicted_after_the_stall_timeout_and_the_rest
 @pytest.mark.slow
 def test_a_member_that_never_joins_a_round_is_evicted_and_busy_alone_is_not_a_stall(tmp_path):
     """A lone worker gets stuck: nobody waits on it, so it stays. A newcomer then
-    waits for it in the new round's assembly: it is evicted, the newcomer goes on."""
+    waits for it in the new round's assembly: it is evicted. The newcomer holds no
+    training state and there is no checkpoint: the job stops (holders.py), it does not
+    train from step 0."""
     job = Job(tmp_path, ["-np", "1", "--stall-timeout", "4"], hosts=["localhost:1"],
               env={"JOB_FAULT": "4:0:stuck"}).start()
     job.wait_for((job.out / "fault.0").exists, "rank 0 to get stuck")
@@ -145,9 +147,11 @@ def test_a_member_that_never_joins_a_round_is_evicted_and_busy_alone_is_not_a_st
     job.set_hosts(["localhost:1", "127.0.0.1:1"])
     code = job.finish()
     out = job.output()
-    assert code == 0, out[-3000:]
     assert re.search(rf"worker {stuck} on localhost: no progress for \d+ s while 1 peer waits "
                      r"in round 2 assembly \(--stall-timeout 4 s\); evicted", out), out[-3000:]
+    assert code == 1, out[-3000:]
+    assert re.search(r"elasticrun: error: no surviving worker holds the training state; the "
+                     r"last commit was \d+\n$", out), out[-3000:]
     assert "blacklisting host 127.0.0.1" not in out
 
 

@@ -256,6 +256,7 @@ class Checkpointer:
         state.adopt(tree, version)
         self._since_commits, self._last_time = 0, time.monotonic()
         self.resumed_from = {"version": version, "path": path}
+        _tell_driver(version)
         log.info("resumed from checkpoint %s (commit %s)", path, version)
 
     def _submit(self, state):
@@ -332,6 +333,7 @@ class Checkpointer:
             return
         self._recovered()
         self._last_version = max(self._last_version, version)
+        _tell_driver(version)
         self.stats["checkpoints"] += 1
         self.stats["bytes_written"] += result["bytes_written"]
         self.stats["bytes_total"] += result["bytes_total"]
@@ -401,6 +403,14 @@ class Checkpointer:
         if self._lock.held:
             self.wait(self.write_timeout_s)
             self._lock.release()
+
+
+def _tell_driver(version):
+    """Heartbeats say the newest checkpoint: a job whose every holder of the state is gone
+    may then resume from it (runner/holders.py)."""
+    w = runtime.worker()
+    if w is not None:
+        w.progress.durable = max(w.progress.durable, int(version))
 
 
 def resolve(checkpoint):

@@ -16,7 +16,7 @@ import tempfile
 
 from elastic import __version__, protocol
 from elastic.exceptions import ElasticError
-from elastic.runner import config_file, dry_run, horovod_flags, launcher, serve
+from elastic.runner import config_file, dry_run, horovod_flags, launcher, serve, stragglers
 from elastic.runner.agent import run_agent
 from elastic.runner.console import Console
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
@@ -71,6 +71,14 @@ def build_parser():
     p.add_argument("--stall-timeout", type=float, default=600.0,
                    help="evict a rank that made no progress while its peers waited on it "
                         "in a collective this many seconds (default 600)")
+    p.add_argument("--straggler-ratio", type=float, default=2.0, metavar="R",
+                   help="warn about a worker whose work per commit is R times its peers' "
+                        "median over --straggler-window (default 2; 0: never)")
+    p.add_argument("--straggler-window", type=float, default=30.0, metavar="S",
+                   help="seconds of timing that stragglers are judged on (default 30, at "
+                        "most 60)")
+    p.add_argument("--evict-stragglers", action="store_true",
+                   help="evict a straggler (its host is blacklisted) instead of only warning")
     p.add_argument("--output-filename", dest="output_dir",
                    help="directory for per-worker stdout/stderr files (and error.json)")
     p.add_argument("--timestamp-output", "--prefix-output-with-timestamp",
@@ -189,6 +197,8 @@ def config_from_args(args):
         raise UsageError("give only one of -H, --hostfile and --host-discovery-script")
     try:
         start_timeout = horovod_flags.start_timeout(args, os.environ)
+        straggler_rule = stragglers.rule(args.straggler_ratio, args.straggler_window,
+                                         args.evict_stragglers)
         extra_env = horovod_flags.fusion_env(args)
         stall_timeout = horovod_flags.stall_timeout(args)
         output_ranks(args.output_ranks)
@@ -250,7 +260,7 @@ def config_from_args(args):
         remote_python=args.remote_python, network_interface=args.network_interface,
         extra_env={**extra_env, **({protocol.ENV_CHECKPOINT_DIR: os.path.abspath(
             args.checkpoint_dir)} if args.checkpoint_dir else {})},
-        start_timeout=start_timeout,
+        start_timeout=start_timeout, stragglers=straggler_rule,
         **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )
 

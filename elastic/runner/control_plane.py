@@ -16,6 +16,7 @@ HEALED_PER_S = 2048       # the driver's heals slow down when many values are ke
 FULL_LOOK_S = 2.0         # every awaited key is looked at this often (a doorbell may be wiped)
 ROUND_KEYS_KEPT = 8       # rounds whose keys stay in the store; older ones are deleted
 ASSEMBLED_KEPT = 3        # the assembly outcome of this many recent rounds is kept in place
+ERRORS_EVERY_S = 0.25     # a failed round's reports are read again at most this often
 
 
 class Janitor(threading.Thread):
@@ -75,6 +76,7 @@ class DriverControl:
         self._registered = control.Doorbell(self.store, Keys.REGISTERED)
         self._bells = {}           # round id -> Doorbell of its arrivals
         self._full_looks = {}      # what was last looked at in full, and when
+        self._errors = {}          # round id -> (when, its failure reports) last read
         self._janitor = Janitor(self.binding.local_connect_address(), self.port, secret)
 
     def close(self):
@@ -211,15 +213,25 @@ class DriverControl:
             self._full_looks[look] = now
         return found
 
-    def failure_reported(self, round_id, member_ids):
-        """The doorbell names a reporter; if it was tampered with, ask every member."""
+    def failure_reports(self, round_id, member_ids):
+        """{worker id: its error text} of the round's sealed failure reports ({}: none).
+        The doorbell is looked at each time; the members' reports, once it rang, at most
+        every ERRORS_EVERY_S (a big round's are many reads)."""
         doorbell = Keys.failures(round_id)
         if not self.store.present(doorbell):
-            return False
-        if self.store.get(doorbell) is not None:
-            return True
-        reports = self.store.get_many(Keys.failed(round_id, wid) for wid in member_ids)
-        return any(v is not None for v in reports.values())
+            return {}
+        now = time.monotonic()
+        looked = self._errors.get(round_id)
+        if looked is None or now - looked[0] >= ERRORS_EVERY_S:
+            reports = self.store.get_many(Keys.failed(round_id, wid) for wid in member_ids)
+            found = {w: str(v.get("error", "")) for w in member_ids
+                     if (v := reports[Keys.failed(round_id, w)]) is not None}
+            bell = self.store.get(doorbell) if not found else None
+            if bell is not None:       # its report is not readable (yet): the bell speaks
+                found = {str(bell.get("worker", "?")): ""}
+            self._errors = {round_id: (now, found)}
+            looked = self._errors[round_id]
+        return looked[1]
 
     def remote_address(self, host):
         """The store address for workers on remote ``host`` (None: per host), warning

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from elastic.runner.hosts import HostManager
+from elastic.runner.repeats import Repeats
 
 MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
 ROUNDS_KEPT = 8                # rounds the bookkeeping remembers (the final one is kept too)
@@ -69,6 +70,11 @@ class Job:
     stop_at: float | None = None
     quiet_since: float | None = None     # every heartbeat stopped at once then (blackout.py)
     quiet_ended: float = 0.0             # ... and came back then
+    repeats: Repeats = Repeats()         # faults that repeat (repeats.py)
+    commit: int = -1                     # the newest commit a worker reported holding
+    durable: int = -1                    # the newest checkpoint a worker reported writing
+    holderless_since: float | None = None    # no candidate holds the state (holders.py)
+    stragglers: frozenset = frozenset()  # workers warned about as stragglers
 
     def member_ids(self) -> set:
         return set(self.member_set)
@@ -104,6 +110,7 @@ class Limits:
     stop_timeout: float = 20.0       # to reach a commit after SIGTERM/SIGINT
     stall_timeout: float = 600.0     # peers waited this long on a rank that made no progress
     preempted_hold: float = 60.0     # a preempted host discovery keeps listing returns after
+    stragglers: object = None        # stragglers.StragglerRule (None: its defaults)
 
     @property
     def startup_timeout(self) -> float:
@@ -153,6 +160,7 @@ class Facts:
     exits: tuple = ()                   # Exit, in the order the driver reaped them
     liveness_checked: bool = False      # heartbeat counters were read this tick
     failure_reports: int = 0            # the current round's failure counter
+    failure_errors: Mapping = field(default_factory=dict)   # worker id -> its error text
     joined: int = 0                     # members that joined the current round so far
     stop_signal: int | None = None      # SIGTERM/SIGINT to elasticrun
     drained: frozenset = frozenset()    # hosts `elasticctl drain` took out: their workers leave
@@ -289,6 +297,38 @@ class Stopped:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Worth a warning and an event (``event`` with ``fields``, a tuple of pairs)."""
+    line: str
+    event: str
+    fields: tuple = ()
+
+
+@dataclass(frozen=True)
+class Track:
+    """Bookkeeping: what repeats.py decided about repeating faults."""
+    repeats: Repeats
+
+
+@dataclass(frozen=True)
+class NoteCommit:
+    """Bookkeeping: the newest commit and checkpoint workers reported (holders.py)."""
+    commit: int
+    durable: int
+
+
+@dataclass(frozen=True)
+class MarkHolderless:
+    since: float | None
+
+
+@dataclass(frozen=True)
+class MarkStraggler:
+    """Bookkeeping: a worker consistently slower than its peers was warned about (once)."""
+    worker_id: str
+
+
+@dataclass(frozen=True)
 class Fail:
     reason: str               # the one line the user sees
 
@@ -338,6 +378,20 @@ def evolve(job: Job, action) -> Job:
         return r(job, stop_signal=action.signal, stop_at=action.at)
     if isinstance(action, NetworkQuiet):
         return r(job, quiet_since=action.since, quiet_ended=action.ended)
+    return _evolve_more(job, action)
+
+
+def _evolve_more(job, action):
+    r = dataclasses.replace
+    if isinstance(action, Track):
+        return r(job, repeats=action.repeats)
+    if isinstance(action, NoteCommit):
+        return r(job, commit=max(job.commit, action.commit), durable=max(job.durable,
+                                                                         action.durable))
+    if isinstance(action, MarkHolderless):
+        return r(job, holderless_since=action.since)
+    if isinstance(action, MarkStraggler):
+        return r(job, stragglers=job.stragglers | {action.worker_id})
     return job
 
 

@@ -32,9 +32,9 @@ from elastic.runner.decisions import (
     Job,
     Left,
     Limits,
+    Notice,
     Preempted,
     Publish,
-    Reform,
     Removed,
     Spawn,
     StallWarning,
@@ -99,6 +99,7 @@ class JobConfig:
     console: object = None            # console.Console (cli builds it from the output flags)
     metrics_port: int = None          # serve Prometheus metrics here (runner/metrics.py)
     tensorboard: str = None           # write TensorBoard scalars in this directory
+    stragglers: object = None         # stragglers.StragglerRule (None: its defaults)
 
 
 class Driver:
@@ -111,7 +112,7 @@ class Driver:
                              reset_limit=config.reset_limit, worker_timeout=config.worker_timeout,
                              start_timeout=config.start_timeout,
                              stop_timeout=config.stop_timeout, stall_timeout=config.stall_timeout,
-                             preempted_hold=config.preempted_hold)
+                             preempted_hold=config.preempted_hold, stragglers=config.stragglers)
         self.hosts = HostManager(config.cooldown_range)
         self.secret = config.secret or secrets.token_hex(32)
         self.sink = config.console or console.Console(config.output_dir)
@@ -233,8 +234,9 @@ class Driver:
         return Facts(job=self.job, limits=self.limits, hosts=self.hosts,
                      workers={wid: w.view() for wid, w in self.workers.items()},
                      exits=tuple(seen.exits), liveness_checked=seen.liveness_checked,
-                     failure_reports=seen.failure_reports, joined=seen.joined,
-                     stop_signal=self.stop_signal, drained=self.watch.drained)
+                     failure_reports=len(seen.failure_reports), joined=seen.joined,
+                     failure_errors=seen.failure_reports, stop_signal=self.stop_signal,
+                     drained=self.watch.drained)
 
     def _observe(self, now):
         """This tick's observations: exits (every stalls.exit_poll_interval), registrations,
@@ -275,10 +277,9 @@ class Driver:
                 if w.liveness.leaving and w.leaving is None:
                     w.leaving = self._signed(Keys.leaving(w.worker_id)) or {"signal": 15}
         job = self.job
-        reports = 0
+        reports = {}
         if job.round_id and job.round_id not in job.aborted and job.final_round is None:
-            reports = int(self.plane.failure_reported(job.round_id,
-                                                      job.rounds.get(job.round_id, ())))
+            reports = self.plane.failure_reports(job.round_id, job.rounds.get(job.round_id, ()))
         joined = self._assembly(job, now) if job.round_id else 0
         waiting = sum(1 for wid in self._unready if not self.workers[wid].stopped)
         return Observed(exits, checked, reports, joined, waiting)
@@ -330,9 +331,6 @@ class Driver:
             self.hosts.blacklist(action.host, now)
         elif isinstance(action, Abort):
             self.plane.abort(action.round_id)
-        elif isinstance(action, Reform):
-            if action.reason:
-                log.warning("%s", action.reason)
         elif isinstance(action, Publish):
             self._publish(action, now)
         elif isinstance(action, Removed):
@@ -354,6 +352,8 @@ class Driver:
                      action.host, action.commit)
             self.events.emit("worker_removed", worker=action.worker_id, host=action.host,
                              reason="preempted")
+        elif isinstance(action, Notice):
+            self.reporter.notice(action.line, action.event, dict(action.fields))
         elif isinstance(action, StallWarning):
             w = self.workers.get(action.worker_id)
             if w is not None:

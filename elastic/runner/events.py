@@ -51,13 +51,25 @@ class RoundReporter:
         self._last_progress = None    # (step, at)
         self._last_print = 0.0
         self._last_seen_at = None
+        self._stragglers = {}         # worker id -> its figure, for the progress line
+
+    def notice(self, line, event, fields):
+        """A warning worth an event (decisions.Notice); a straggler's figure also goes on
+        the progress line while its round lasts."""
+        log.warning("%s", line)
+        self.events.emit(event, **fields)
+        if event == "straggler":
+            self._stragglers[fields["worker"]] = f"worker {fields['worker']} on " \
+                                                 f"{fields['host']} {fields['ratio']:.1f}x"
 
     def round_started(self, round_id, members, change, now):
         self.flush()
         self.events.emit("round_started", round=round_id, size=len(members), change=change,
                          members=[{k: m[k] for k in ("worker_id", "host", "rank")} for m in members])
-        line = f"round {round_id}: {len(members)} workers ({change})"
+        line = f"round {round_id}: {len(members)} workers ({change or 'the same members again'})"
         self._progress_wid = members[0]["worker_id"] if members else None
+        ids = {m["worker_id"] for m in members}
+        self._stragglers = {w: f for w, f in self._stragglers.items() if w in ids}
         self._last_progress = None
         if round_id == 1:
             log.info(line)
@@ -107,4 +119,5 @@ class RoundReporter:
             return
         self._last_print = now
         self._last_progress = (step, now)
-        log.info("progress: step %s, %.1f steps/s", step, rate)
+        slow = "; straggler: " + ", ".join(self._stragglers.values()) if self._stragglers else ""
+        log.info("progress: step %s, %.1f steps/s%s", step, rate, slow)

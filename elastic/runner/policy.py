@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from elastic.runner import blackout
+from elastic.runner import blackout, holders, stragglers, verdicts
 from elastic.runner.decisions import (
     Abort,
     BeginStop,
@@ -31,8 +31,8 @@ from elastic.runner.decisions import (
     Finish,
     HostFailed,
     Left,
-    MarkFailureReport,
     MarkShort,
+    Notice,
     Phase,
     Preempted,
     Publish,
@@ -51,9 +51,9 @@ from elastic.runner.decisions import (
 from elastic.runner.exits import ExitKind, classify_exit, final_outcome
 from elastic.runner.planner import describe_change, plan_round, same_membership
 from elastic.runner.stalls import StallView, describe, find_stalls, long_waits
+from elastic.runner.verdicts import FAILURE_REPORT_GRACE_S  # noqa: F401 - tests read it here
 
 JOIN_BATCH_S = 15.0            # newcomers still importing torch are awaited this long
-FAILURE_REPORT_GRACE_S = 1.0   # a reported collective failure waits for the exit that explains it
 
 
 def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_reports,
@@ -85,8 +85,9 @@ def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_r
         return False                      # --stop-timeout runs
     if job.phase is not Phase.RUNNING and job.phase is not Phase.FINISHING:
         return False                      # starting and re-forming go on by the clock
-    if job.short_since is not None or job.failure_report_at is not None:
-        return False                      # --elastic-timeout, the failure-report grace
+    if job.short_since is not None or job.failure_report_at is not None \
+            or job.holderless_since is not None:
+        return False                      # --elastic-timeout, the failure-report grace, holders
     if unready and (last_spawn_at is None or settled_at - last_spawn_at < JOIN_BATCH_S):
         return False                      # a newcomer may stop counting as starting
     hold = limits.preempted_hold
@@ -156,11 +157,14 @@ class _Tick:
         if self.facts.stop_signal is not None or self.job.stop_signal is not None:
             self.stopping()
             return
+        if self.facts.liveness_checked:
+            holders.note_commits(self)
+            stragglers.check(self)
         self.handle_exits()
         self.check_end()
         self.check_liveness()
         self.check_stalls()
-        self.check_failure_reports()
+        verdicts.check_failure_reports(self)
         self.check_preempted()
         self.reconcile()
 
@@ -229,15 +233,18 @@ class _Tick:
             if stall.action == "warn":
                 self.emit(StallWarning(stall.worker_id, describe(stall, w.host)))
             elif stall.action == "abort" and stall.round_id not in self.job.aborted:
-                self.emit(Reform(f"worker {stall.worker_id} on {w.host} still waits in round "
-                                 f"{stall.round_id}, which newer rounds replaced; aborting it"))
+                self.emit(Notice(f"worker {stall.worker_id} on {w.host} still waits in round "
+                                 f"{stall.round_id}, which newer rounds replaced; aborting it",
+                                 "round_aborted", (("round", stall.round_id),)))
+                self.emit(Reform())
                 self.emit(Abort(stall.round_id))
             elif stall.action == "evict":
+                why = (f"{describe(stall, w.host)} (--stall-timeout "
+                       f"{self.limits.stall_timeout:g} s)")
                 self.emit(Stop(stall.worker_id))
                 self.emit(Evict(stall.worker_id, w.host))
-                self.host_failed(stall.worker_id, w.host,
-                                 f"{describe(stall, w.host)} (--stall-timeout "
-                                 f"{self.limits.stall_timeout:g} s); evicted")
+                self.host_failed(stall.worker_id, w.host, f"{why}; evicted")
+                verdicts.rank_failed(self, "stall", stall.worker_id, w.host, why)
 
     # -- exits ----------------------------------------------------------------------------
     def handle_exits(self):
@@ -272,9 +279,11 @@ class _Tick:
                 self.stop_all_but_finals()
                 self.emit(RecordExit(wid, e.code, final=True))
             elif kind is ExitKind.FAILED:
+                why = f"worker {wid} on {e.host} exited with code {e.code}{e.note}"
                 self.emit(RecordExit(wid, e.code, final=False))
-                self.host_failed(wid, e.host,
-                                 f"worker {wid} on {e.host} exited with code {e.code}{e.note}")
+                self.host_failed(wid, e.host, why)
+                if e.code > 0 and wid in current:       # an exception, not a signal
+                    verdicts.rank_failed(self, "exception", wid, e.host, why)
             elif kind is ExitKind.REMOVED:
                 self.emit(Removed(wid, e.host))
 
@@ -352,23 +361,6 @@ class _Tick:
             self.emit(Evict(wid, w.host))
             self.host_failed(wid, w.host, f"worker {wid} on {w.host} {why}; evicted")
 
-    def check_failure_reports(self):
-        """A worker saw a collective fail but no process died (yet): re-form the round."""
-        job = self.job
-        r = job.round_id
-        if not r or r in job.aborted or job.final_round is not None:
-            if job.failure_report_at is not None:
-                self.emit(MarkFailureReport(None))
-            return
-        if self.facts.failure_reports == 0:
-            return
-        if job.failure_report_at is None:
-            self.emit(MarkFailureReport(self.now))
-        if self.now - self.job.failure_report_at >= FAILURE_REPORT_GRACE_S:
-            self.emit(Reform(f"round {r} reported a failed collective; re-forming it"))
-            self.emit(Abort(r))
-            self.emit(MarkFailureReport(None))
-
     # -- membership -----------------------------------------------------------------------
     def wanted_hosts(self):
         """host -> the slots wanted there: available, neither preempted nor drained."""
@@ -431,7 +423,8 @@ class _Tick:
         removals = job.member_set - {m["worker_id"] for m in target}
         if not reforming and not removals and self.any_starting():
             return   # batch newcomers that are still starting up
-        self.publish(target)
+        if holders.may_form(self, target):
+            self.publish(target)
 
     def any_starting(self, waited_at_most=JOIN_BATCH_S):
         """A newcomer is still importing torch (and has not been waited for too long)."""

@@ -36,6 +36,6 @@ class Observed:
     """What one tick saw, before deciding whether ``decide`` needs to run."""
     exits: list
     liveness_checked: bool
-    failure_reports: int
+    failure_reports: dict             # worker id -> error text, of the current round
     joined: int
     unready: int                      # live workers neither ready nor stopped

@@ -12,6 +12,8 @@ half the timeout or after 60 s, whichever is sooner.
 from dataclasses import dataclass, field
 
 WARN_AT_MOST_S = 60.0
+TIMING_EVERY_S = 2.0     # stragglers.py: a worker's timing samples, one per 2 s,
+TIMING_KEPT_S = 65.0     # ... for this long (--straggler-window is at most 60 s)
 SETUP_WAITS = ("group set-up", "group check")
 
 
@@ -30,6 +32,9 @@ class Liveness:
     commit_at: float = 0.0
     commit_rate: float = None     # commits per second (smoothed over beats)
     seconds: dict = None          # {"commit": s, "sync": s}: how long the last ones took
+    holds: int = -1               # the commit its state holds (-1: none yet; holders.py)
+    durable: int = -1             # the newest checkpoint it wrote or resumed from
+    timing: tuple = ()            # (driver clock, seconds waited on peers, commits) samples
 
     def update(self, value, now):
         """Take a heartbeat value; True when it is a new beat."""
@@ -47,6 +52,10 @@ class Liveness:
         self.count_commits(progress[1], now)
         seconds = value.get("seconds")
         self.seconds = seconds if isinstance(seconds, dict) else None
+        self.holds = int(value.get("holds", -1))
+        self.durable = int(value.get("durable", -1))
+        if "waited" in value:
+            self.timing = timing_window(self.timing, (now, float(value["waited"]), progress[1]))
         return True
 
     def count_commits(self, commits, now):
@@ -63,6 +72,17 @@ class Liveness:
         if not w or not w.get("on_peers", True):
             return 0.0
         return float(w.get("seconds", 0.0)) + max(0.0, now - self.beat_at)
+
+
+def timing_window(samples, sample):
+    """``samples`` plus ``sample``: one per TIMING_EVERY_S (the newest replaces a closer
+    one), none older than TIMING_KEPT_S but one: bounded, whatever the job's length."""
+    if len(samples) >= 2 and sample[0] - samples[-2][0] < TIMING_EVERY_S:
+        samples = samples[:-1]
+    samples = samples + (sample,)
+    while len(samples) > 2 and sample[0] - samples[1][0] >= TIMING_KEPT_S:
+        samples = samples[1:]
+    return samples
 
 
 def _wait_key(waiting):

@@ -96,6 +96,7 @@ class State:
         w = runtime.worker()
         if w is not None:
             w.progress.committed()
+            w.progress.holds = self._version
             self._publish_specs(w)
         if self._checkpoint is not None:
             self._checkpoint.after_commit(self)
@@ -209,6 +210,10 @@ class State:
         """Ranks that already held the newest commit keep their snapshot, and receivers
         received straight into theirs (``_receive``): no copy either way."""
         self._version = version
+        w = runtime.worker()
+        if w is not None and w.progress.holds != version:
+            w.progress.holds = version     # the driver learns at once that we hold the state
+            w.heartbeat.wake()
         self._snapshot.drop_reserve()      # not needed (held the commit, or a new layout)
         self._arena = None
         if self._snapshot.empty:

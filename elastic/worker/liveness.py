@@ -29,6 +29,9 @@ class Progress:
         self.waits = 0          # completed collectives, group set-ups, round assemblies
         self.issued = 0         # collectives started (DistributedOptimizer's hooks in backward)
         self.commits = 0
+        self.holds = -1         # the commit the state holds (-1 before its first sync)
+        self.durable = -1       # the newest checkpoint written or resumed from
+        self.waited_s = 0.0     # seconds waited on peers so far (stragglers, driver side)
         self._waiting = None    # (what, round id, on peers, start) while the thread waits
         self.seconds = {}       # "commit"/"sync" -> how long the last one took (elasticctl)
 
@@ -37,7 +40,9 @@ class Progress:
         self._waiting = (what, int(round_id), on_peers, time.monotonic())
 
     def end_wait(self):
-        self._waiting = None
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and waiting[2]:
+            self.waited_s += time.monotonic() - waiting[3]
         self.waits += 1
 
     def committed(self):
@@ -52,11 +57,14 @@ class Progress:
     def report(self):
         waiting = self._waiting
         value = {"waits": self.waits + self.issued, "commits": self.commits, "waiting": None,
-                 "seconds": self.seconds}
+                 "seconds": self.seconds, "holds": self.holds, "durable": self.durable}
+        waited = self.waited_s
         if waiting is not None:
             what, round_id, on_peers, since = waiting
+            waited += time.monotonic() - since if on_peers else 0.0
             value["waiting"] = {"what": what, "round": round_id, "on_peers": on_peers,
                                 "seconds": round(time.monotonic() - since, 3)}
+        value["waited"] = round(waited, 3)
         return value
 
 

@@ -60,7 +60,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 log.info("round %d failed (%s); restoring the last commit",
                          worker.round_id if worker else 0, exc)
                 if worker is not None:
-                    worker.report_failure()
+                    worker.report_failure(exc)
                 state.restore()
                 continue
             if worker is not None:

@@ -135,12 +135,12 @@ class Worker:
             self._heal_kept()
         return self.round_id > 0 and self.control.has(Keys.abort(self.round_id))
 
-    def report_failure(self):
-        """Our own sealed report (kept in place until the next round), plus a doorbell."""
+    def report_failure(self, error=""):
+        """Our own sealed report with ``error`` (kept until the next round), plus a doorbell."""
         if self.round_id:
             try:
                 key = Keys.failed(self.round_id, self.worker_id)
-                self.control.put(key, {"round": self.round_id}, keep=True)
+                self.control.put(key, {"round": self.round_id, "error": str(error)[-2000:]}, keep=True)
                 self._standing.add(key)
                 self.control.put(Keys.failures(self.round_id), {"worker": self.worker_id})
             except Exception:  # noqa: BLE001 - the driver notices by other means
@@ -349,8 +349,8 @@ class Worker:
         try:
             self.progress.begin_wait("group set-up", round_id)
             self.cpu_group, self.device_group = self.form_groups(round_id)
-        except WorkersDepartedError:
-            self.report_failure()
+        except WorkersDepartedError as exc:
+            self.report_failure(exc)
             self._drop_groups()
             return False
         finally:

@@ -10,6 +10,14 @@ membership at a known point without racing the training.
 Faults: JOB_FAULT="step:rank:mode;..." (mode exit|raise|kill|stop|stuck), each fires once;
 stuck blocks the training thread for good while the heartbeat thread lives on;
 JOB_RESET_FAULT=R makes rank R fail once inside a reset callback.
+Network and user faults: JOB_BAD_IFACE_HOST=H gives the workers on host H a gloo
+interface that does not exist (GLOO_SOCKET_IFNAME=bogus0), as a firewall that opens only
+the store port would; JOB_BAD_ROOT=S makes every rank broadcast from a root rank that
+does not exist at step S and after (a user bug inside a collective); JOB_ALWAYS_RAISE=S:R
+makes whichever worker runs rank R raise at step S, every time; JOB_RANK0_PHASE=S:SECONDS
+makes rank 0 busy alone for SECONDS once step S is committed, every time (a
+rank-0-only evaluation); JOB_SLOW_HOST=H:SECONDS makes the workers on host H spend
+SECONDS more on every step (a straggler).
 Gate: JOB_GATE=S makes every rank wait at step S, before its commit and without any
 collective, until $JOB_OUT/gate exists.
 Soak hooks: a file $JOB_OUT/stuck.<worker> blocks that worker's training thread for
@@ -39,6 +47,18 @@ FAULT = os.environ.get("JOB_FAULT", "")
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
 GATE = int(os.environ.get("JOB_GATE", "0"))
 END_FILE = os.environ.get("JOB_END_FILE")
+BAD_ROOT = int(os.environ.get("JOB_BAD_ROOT", "0"))
+
+
+def _pair(name):
+    """JOB_X=A:B as (int A, float B), or None."""
+    value = os.environ.get(name)
+    return (int(value.split(":")[0]), float(value.split(":")[1])) if value else None
+
+
+ALWAYS_RAISE = _pair("JOB_ALWAYS_RAISE")
+RANK0_PHASE = _pair("JOB_RANK0_PHASE")
+SLOW = os.environ.get("JOB_SLOW_HOST", "").split(":")
 
 
 def maybe_fault(step):
@@ -76,6 +96,8 @@ def main():
     pin_visible_devices()
     if os.environ.get("ELASTIC_HOSTNAME") == os.environ.get("JOB_DIE_ON_HOST", "-"):
         os._exit(5)   # a newcomer that dies before it is ready
+    if os.environ.get("ELASTIC_HOSTNAME") == os.environ.get("JOB_BAD_IFACE_HOST", "-"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "bogus0"
     elastic.init()
     first = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_") and "SECRET" not in k}
     with open(os.path.join(OUT, f"env.{WID}.json"), "w") as f:
@@ -113,8 +135,16 @@ def main():
             indices = list(state.sampler)
             for start in range(0, len(indices), BATCH):
                 batch = indices[start:start + BATCH]
+                if RANK0_PHASE and state.step == RANK0_PHASE[0] and elastic.rank() == 0:
+                    time.sleep(RANK0_PHASE[1])     # an evaluation only rank 0 runs
                 step = state.step + 1
                 maybe_fault(step)
+                if ALWAYS_RAISE and (step, elastic.rank()) == (ALWAYS_RAISE[0], ALWAYS_RAISE[1]):
+                    raise RuntimeError(f"rank {elastic.rank()} always fails at step {step}")
+                if SLOW[0] == os.environ.get("ELASTIC_HOSTNAME"):
+                    time.sleep(float(SLOW[1]))
+                if BAD_ROOT and step >= BAD_ROOT:
+                    elastic.broadcast(torch.zeros(1), elastic.size() + 4)
                 if os.path.exists(os.path.join(OUT, f"stuck.{WID}")):
                     threading.Event().wait()
                 dist_opt.zero_grad()
