@@ -15,6 +15,7 @@ Sections (worker scripts in this folder):
   scaleup   real elasticrun job, discovery adds a host while it trains
   growth    dp_worker.py growth at 4 and 8 workers
   ops       ops_bench.py: elastic.torch ops (with their pre-op check) vs unchecked collectives
+  adascale  adascale_bench.py: LRScaler(rule="adascale") vs the linear rule, step time
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
@@ -660,6 +661,35 @@ def bench_ops():
                  "of 29 int64 per op (per group)")
 
 
+# -- AdaScale ------------------------------------------------------------------------------
+@section("adascale")
+def bench_adascale():
+    reps = 10 if QUICK else 40
+    r0 = common.launch(BENCH / "adascale_bench.py", 2, [reps, "mlp:cnn"])[0]
+    for kind, label in (("mlp", "MLP"), ("cnn", "small CNN")):
+        d = r0[kind]
+        pairs = [a / b for a, b in zip(d["adascale"], d["linear"])]   # back to back
+        ratio = median(pairs)
+        q1, _, q3 = statistics.quantiles(pairs, n=4)
+        row(f"LRScaler rule=adascale vs linear, {label} {d['params'] / 1e6:.2f}M params, "
+            "2 workers, batch 16: step time", ms(median(d["adascale"])),
+            ms(median(d["linear"])), f"{ratio:.3f}× (IQR {q1:.3f}–{q3:.3f})", "≤ 1.02×",
+            yes(ratio <= 1.02, f"within this shared machine's noise: the paired ratios' "
+                f"IQR reaches {q1:.3f}" if q1 <= 1.02 else "see notes"))
+        for key, every in (("", "every step"), ("4", "every 4th step")):
+            spent, steps = sum(d["observer" + key]), sum(d["cpu_adascale" + key])
+            row(f"adascale's own work (two norms per bucket, issuing the scalar allreduce), "
+                f"measuring {every}, {label}: CPU time of the training thread, share of its "
+                f"CPU per step", f"{us(spent / len(d['observer' + key]))} per step",
+                f"{ms(steps / len(d['cpu_adascale' + key]))} per step", f"{spent / steps * 100:.2f} %",
+                "≤ 2 %", yes(spent / steps <= 0.02))
+    NOTES.append(f"adascale: {reps} steps per side, the sides (linear, adascale, adascale "
+                 "measure_every=4) taking turns step by step "
+                 "(which goes first rotates); ratio = median of the back-to-back pairs; "
+                 "its extra work: two squared norms per gradient bucket and one allreduce of "
+                 "one float64, queued behind the last bucket")
+
+
 def table():
     head = ["metric", "elastic", "baseline", "ratio", "target", "met?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -675,7 +705,7 @@ def main():
                      ("syncwide", bench_sync_wide),
                      ("recovery", bench_recovery), ("restart", bench_restart),
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
-                     ("ops", bench_ops), ("ckpt", bench_ckpt)):
+                     ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale)):
         if not only or name in only:
             fn()
     recovery_rows()

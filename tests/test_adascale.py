@@ -222,6 +222,50 @@ def test_distributed_optimizer_feeds_it_and_accumulation_counts():
     assert LRScaler(dopt, base_size=1, rule="adascale", accumulation=3).passes() == 3
 
 
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_the_optimizer_hook_sees_local_and_reduced_norms_one_step_late(compression):
+    """Through a DistributedOptimizer (standalone: the reduction is the identity, so the
+    local and reduced gradients are equal): each measured step's squared norm arrives at
+    the next step, over several buckets; steps not measured send nothing."""
+    from elastic.training.adascale import GradientNorms
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    dopt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                        compression=getattr(elastic.Compression, compression),
+                                        bucket_cap_mb=1e-4)
+    seen, step = [], [0]
+    dopt.gradient_observer = GradientNorms(lambda *a: seen.append(a), lambda: step[0] % 2 == 0)
+    expected = []
+    for _ in range(6):
+        dopt.zero_grad()
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        dopt.step()
+        sq = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
+        expected.append(sq)
+        step[0] += 1
+    assert dopt.bucket_count > 1
+    assert [a[2] for a in seen] == [1, 1, 1]            # steps 0, 2 and 4, seen at 1, 3 and 5
+    tol = 1e-6 if compression == "none" else 2e-3
+    for (local, reduced, _), want in zip(seen, expected[::2], strict=True):
+        assert local == pytest.approx(want, rel=tol) and reduced == pytest.approx(want, rel=tol)
+
+
+def test_measuring_every_nth_step_keeps_the_horizon():
+    gen = torch.Generator().manual_seed(9)
+    mean = torch.randn(16, generator=gen, dtype=torch.float64)
+    every, sparse = GainEstimator(), GainEstimator()
+    for i in range(4000):
+        sample = synthetic_step(gen, mean, 5.0, 2, 1)
+        every.observe(*sample, 2)
+        if i % 4 == 0:
+            sparse.observe(*sample, 2, interval=4)
+    assert sparse.observations == 1000
+    assert sparse.gain(2) == pytest.approx(every.gain(2), rel=0.03)
+    assert sparse.gain(2) == pytest.approx(true_gain(5.0, float(mean @ mean), 2), rel=0.04)
+    with pytest.raises(ValueError, match="measure_every"):
+        LRScaler(_make()[1], base_size=1, rule="adascale", measure_every=0)
+
+
 def test_bad_input():
     _, opt = _make()
     with pytest.raises(ValueError, match="adascale"):
@@ -268,22 +312,25 @@ def test_elastic_run_keeps_progress_continuous(elastic_job):
     assert sizes_in_order(job.steps()) == [4, 2, 3]
     assert [len(ranks) for ranks in steps] == [
         4 if s <= HOLDS[0] else 2 if s <= HOLDS[1] else 3 for s in range(1, len(steps) + 1)]
-    est, progress, observations = GainEstimator(), 0.0, 0
+    est, progress, previous = GainEstimator(), 0.0, None
     for ranks in steps:
         first = ranks[0]
         for r in ranks.values():          # every rank, newcomers included, agrees
             assert (r["progress"], r["gain"], r["observations"]) == (
                 first["progress"], first["gain"], first["observations"]), ranks
         # The gain follows from the norms the workers saw, through the optimizer's buckets
-        # and its scalar allreduce: recompute it from each rank's own local gradient.
-        est.observe(sum(r["local_sq"] for r in ranks.values()), first["reduced_sq"],
-                    first["size"])
+        # and its scalar allreduce: recompute it from each rank's own local gradient. A
+        # step's norms count from the next step on, within its round.
+        if previous is not None and previous[0]["round"] == first["round"]:
+            est.observe(sum(r["local_sq"] for r in previous.values()),
+                        previous[0]["reduced_sq"], previous[0]["size"])
         assert first["gain"] == pytest.approx(est.gain(first["size"]), rel=1e-9)
         assert 1.0 <= first["gain"] <= first["size"]
-        observations += 1
-        assert first["observations"] == observations      # never reset by a change
+        assert first["observations"] == est.observations      # never reset by a change
         progress += first["gain"]
         assert first["progress"] == pytest.approx(progress, rel=1e-12)
+        previous = ranks
+    assert est.observations == len(steps) - 3     # the last step of each round is dropped
     finals = [json.loads(p.read_text()) for p in job.out.glob("final.*.json")]
     assert len(finals) == 3 and len({json.dumps(f["scaler"]) for f in finals}) == 1
     assert finals[0]["progress"] >= problem.TOTAL > steps[-2][0]["progress"]

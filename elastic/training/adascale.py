@@ -62,10 +62,12 @@ class GainEstimator:
         self.observations = 0
 
     def observe(self, local_sq_sum: float, reduced_sq: float, workers: int,
-                passes: int = 1) -> bool:
+                passes: int = 1, interval: int = 1) -> bool:
         """Fold in one step: the sum over the W workers of |L_i|^2, and |g|^2 for g their
         mean. Returns False (and changes nothing) when the step says nothing: one
-        worker, or a norm that is not finite (an overflowed fp16 step, say)."""
+        worker, or a norm that is not finite (an overflowed fp16 step, say).
+        ``interval``: steps since the last observation; the weight of the past is
+        theta^interval, so measuring every n-th step keeps the averages' horizon in steps."""
         workers, passes = int(workers), int(passes)
         if workers < 2 or passes < 1:
             return False
@@ -75,7 +77,7 @@ class GainEstimator:
         samples = workers * passes
         var = (local_sq_sum / workers - reduced_sq) / (1.0 / passes - 1.0 / samples)
         sqr = reduced_sq - var / samples
-        theta = smoothing(samples / self.base_size)
+        theta = smoothing(samples / self.base_size) ** max(int(interval), 1)
         self.var_avg = theta * self.var_avg + (1.0 - theta) * var
         self.sqr_avg = theta * self.sqr_avg + (1.0 - theta) * sqr
         self.weight = theta * self.weight + (1.0 - theta)
@@ -114,42 +116,54 @@ class GradientNorms:
     allreduce (Sum) of it queued behind the last bucket on the same group, and |reduced|^2
     once all are back. Set as the optimizer's ``gradient_observer``.
 
-    A step whose reduction was abandoned (a failure, zero_grad mid-flight) leaves
-    nothing behind: the next step's first bucket starts the sum afresh.
+    Nobody waits for the scalar: a step's norms are folded in at the next step, when its
+    allreduce has long finished, so the gain of step t uses the steps before it (one
+    step of lag in averages that span hundreds). A step whose reduction was abandoned
+    (a failure, zero_grad mid-flight) leaves nothing behind, and neither does the last
+    step of a round: its sum belongs to the old group. Both happen on every rank alike.
     """
 
-    def __init__(self, on_step):
+    def __init__(self, on_step, measuring=lambda: True):
         self._on_step = on_step    # called with (local_sq_sum, reduced_sq, workers)
+        self._measuring = measuring   # asked at each step's first bucket; same on every rank
+        self._on = False
         self._local = None
-        self._handle = None
-        self._sum = None
+        self._launched = None      # (sum tensor, handle) of this step's scalar allreduce
+        self._pending = None       # (round, sum tensor, handle, reduced_sq, workers)
 
     def local(self, flat: torch.Tensor, index: int, count: int) -> None:
         """Bucket ``index`` of ``count`` is about to be reduced; ``flat`` holds this rank's values."""
+        if index == 0:
+            self._on, self._local, self._launched = bool(self._measuring()), None, None
+        if not self._on:
+            return
         sq = _squared_norm(flat)
-        self._local = sq if index == 0 or self._local is None else self._local + sq
+        self._local = sq if self._local is None else self._local + sq
         if index == count - 1:
-            self._sum = self._local.reshape(1).to(torch.float64)
-            self._handle = collectives.allreduce_async(self._sum, collectives.Sum)
+            total = self._local.reshape(1).to(torch.float64)
+            self._launched = (total, collectives.allreduce_async(total, collectives.Sum))
             self._local = None
 
     def reduced(self, flats: list, op: str) -> None:
         """Every bucket is reduced; ``flats`` hold the results under ``op``."""
-        total, self._sum = self._sum, None
-        handle, self._handle = self._handle, None
-        if total is None:
-            return
-        collectives.synchronize(handle)
+        w = runtime.worker()
+        round_id = w.round_id if w is not None else 0
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == round_id:
+            _, total, handle, reduced_sq, workers = pending
+            collectives.synchronize(handle)
+            self._on_step(float(total), reduced_sq, workers)
+        launched, self._launched = self._launched, None
+        if launched is None or op not in (collectives.Average, collectives.Sum):
+            return                  # not measured, or Min/Max/Product: no mean gradient
         workers = runtime.size()
-        reduced = sum(float(_squared_norm(f)) for f in flats)
+        reduced_sq = sum(float(_squared_norm(f)) for f in flats)
         if op == collectives.Sum:   # the sum of W means: |g|^2 of the mean is 1/W^2 of it
-            reduced /= workers * workers
-        elif op != collectives.Average:
-            return                  # Min, Max, Product: no mean gradient to measure
-        self._on_step(float(total), reduced, workers)
+            reduced_sq /= workers * workers
+        self._pending = (round_id, launched[0], launched[1], reduced_sq, workers)
 
 
 def _squared_norm(flat: torch.Tensor) -> torch.Tensor:
     if flat.dtype in (torch.float32, torch.float64):
-        return torch.dot(flat, flat)
+        return torch.linalg.vector_norm(flat).square()
     return torch.linalg.vector_norm(flat, dtype=torch.float32).square()

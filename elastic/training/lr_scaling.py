@@ -84,6 +84,8 @@ class LRScaler:
     ``size_fn``: where the current world size comes from (default ``elastic.size``).
     ``accumulation``: backward passes per step, for ``"adascale"`` (default: the
     DistributedOptimizer's ``backward_passes_per_step``, else 1).
+    ``measure_every``: ``"adascale"`` measures the gradient norms every n-th step (the
+    paper: every step); the averages keep their horizon in steps, the cost drops n-fold.
 
     The instance is callable with no arguments, so it can be passed to
     ``state.register_reset_callbacks``. ``group["lr"]`` keeps the unscaled value;
@@ -94,7 +96,8 @@ class LRScaler:
     _attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, optimizer, base_size: int, rule: str | Callable = "linear",
-                 size_fn: Callable[[], int] | None = None, accumulation: int | None = None):
+                 size_fn: Callable[[], int] | None = None, accumulation: int | None = None,
+                 measure_every: int = 1):
         self.base_size = int(base_size)
         self.rule = rule
         self._size_fn = size_fn or runtime.size
@@ -103,6 +106,10 @@ class LRScaler:
         if self._opt in LRScaler._attached:
             raise RuntimeError("this optimizer already has an LRScaler; remove() it first")
         self._accumulation = accumulation
+        if isinstance(measure_every, bool) or not isinstance(measure_every, int) or \
+                measure_every < 1:
+            raise ValueError(f"measure_every must be an int >= 1, not {measure_every!r}")
+        self.measure_every = measure_every
         self.estimator = GainEstimator(base_size) if rule == ADASCALE else None
         self.progress = 0.0     # scale-invariant iterations: the sum of each step's factor
         self.steps = 0
@@ -114,7 +121,8 @@ class LRScaler:
         self._handles = [self._opt.register_step_pre_hook(self._before_step),
                          self._opt.register_step_post_hook(self._after_step)]
         if self.estimator is not None and optimizer is not self._opt:
-            optimizer.gradient_observer = GradientNorms(self.observe)   # DistributedOptimizer
+            optimizer.gradient_observer = GradientNorms(   # a DistributedOptimizer
+                self.observe, lambda: self.steps % self.measure_every == 0)
         LRScaler._attached[self._opt] = self
 
     @property
@@ -150,7 +158,8 @@ class LRScaler:
         if self.estimator is None:
             raise ValueError(f"observe() is for rule='adascale', not {self.rule!r}")
         workers = int(self._size_fn()) if workers is None else int(workers)
-        return self.estimator.observe(local_sq_sum, reduced_sq, workers, self.passes())
+        return self.estimator.observe(local_sq_sum, reduced_sq, workers, self.passes(),
+                                      self.measure_every)
 
     def drive(self, scheduler, every: float = 1.0):
         """Step ``scheduler`` (LambdaLR, CosineAnnealingLR, StepLR...) once per ``every``
