@@ -19,7 +19,7 @@ DEADLINE_S = 240
 
 
 class Job:
-    def __init__(self, tmp_path, args, hosts=None, env=None, script=WORKLOAD):
+    def __init__(self, tmp_path, args, hosts=None, env=None, script=WORKLOAD, script_args=()):
         self.dir = Path(tmp_path)
         self.out = self.dir / "out"
         self.out.mkdir(parents=True, exist_ok=True)
@@ -36,6 +36,7 @@ class Job:
         self.env = dict(os.environ, JOB_OUT=str(self.out), OMP_NUM_THREADS="1",
                         PYTHONPATH=str(REPO), **(env or {}))
         self.script = script
+        self.script_args = [str(a) for a in script_args]
         self.proc = None
 
     def set_hosts(self, hosts):
@@ -46,7 +47,7 @@ class Job:
     def start(self):
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            ELASTICRUN + self.args + [sys.executable, str(self.script)],
+            ELASTICRUN + self.args + [sys.executable, str(self.script)] + self.script_args,
             env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
             start_new_session=True)
         return self

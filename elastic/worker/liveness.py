@@ -86,7 +86,7 @@ class Heartbeat(threading.Thread):
         super().__init__(name="elastic-heartbeat", daemon=True)
         self._worker = worker
         self._interval = interval
-        self._stop = threading.Event()
+        self._halt = threading.Event()    # not _stop: Thread's own, which a fork calls
         self._wake = threading.Event()
         self._conn = None
         self._beat = 0
@@ -102,7 +102,7 @@ class Heartbeat(threading.Thread):
 
     def run(self):
         refusals, lost_since = 0, None
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 self._beat += 1
                 self.send(self._beat)
@@ -115,7 +115,7 @@ class Heartbeat(threading.Thread):
                 # A closed port is a driver that is gone; silence may be the network,
                 # which gets as long as the store connections do (RECONNECT_WITHIN_S).
                 if (refusals >= DRIVER_GONE_REFUSALS or now - lost_since >= RECONNECT_WITHIN_S) \
-                        and not self._stop.is_set():
+                        and not self._halt.is_set():
                     log.error("lost contact with elasticrun; exiting so no orphan is left behind")
                     os._exit(1)
             self._wake.wait(self._interval)
@@ -139,7 +139,7 @@ class Heartbeat(threading.Thread):
         return (conn.requests, conn.bytes_read) if conn is not None else (0, 0)
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self._wake.set()
 
 
