@@ -110,16 +110,22 @@ class ControlStore:
         if isinstance(secret, str):
             secret = secret.encode()
         namespace = hmac.new(secret, b"elastic-namespace", hashlib.sha256).hexdigest()[:32]
-        if isinstance(store, HealingStore):
-            self.raw = store.with_prefix(namespace + "/")
-        else:
-            self.raw = dist.PrefixStore(namespace + "/", store)
+        self._namespace = namespace
+        self.rebind(store)
         self.sealer = Sealer(secret, job=namespace)
         self.rejected = WarnOnce(warn)
         self._highest = {}
         self._kept = {}
         self.requests = 0       # store round trips and bytes read, for make scale
         self.bytes_read = 0
+
+    def rebind(self, store: dist.Store) -> None:
+        """Talk over ``store`` (a new connection to the same store) from now on, keeping
+        the values heal() looks after and the replay memory."""
+        if isinstance(store, HealingStore):
+            self.raw = store.with_prefix(self._namespace + "/")
+        else:
+            self.raw = dist.PrefixStore(self._namespace + "/", store)
 
     def put(self, key, value, keep=False):
         blob = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())

@@ -31,6 +31,7 @@ ENV_PORT = "ELASTIC_STORE_PORT"
 # it, remote workers) come from control_store.py, which reads them.
 ENV_WORKER_ID = "ELASTIC_WORKER_ID"
 ENV_DRIVER_PID = "ELASTIC_DRIVER_PID"        # local workers exit if their parent is not it
+ENV_DRIVER_GRACE = "ELASTIC_DRIVER_GRACE"    # joining mode: workers outlive the driver (agent decides)
 ENV_ROUND_TIMEOUT = "ELASTIC_ROUND_TIMEOUT"  # seconds a worker waits for its next round
 ENV_HEARTBEAT_INTERVAL = "ELASTIC_HEARTBEAT_INTERVAL"
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"  # --checkpoint-dir, for every TorchState
@@ -311,7 +312,8 @@ class AgentKeys:
 
     @staticmethod
     def info(name):
-        """{"host", "slots", "pid"}: the agent's registration."""
+        """{"host", "slots", "pid"}: the agent's registration; after a driver restart also
+        {"workers": {id: pid}, "nonce"}: the live workers a restarted driver adopts."""
         return f"agent/{name}/info"
 
     @staticmethod
@@ -332,6 +334,12 @@ class AgentKeys:
         """{"seq", "draining", "received"}: the agent is alive, whether it is leaving, and
         how many requests it has read (those may go)."""
         return f"agent/{name}/beat"
+
+    @staticmethod
+    def ack(name):
+        """{"seq"}: the driver read the agent's beat ``seq``: a fresh proof, which an
+        outsider holding the port cannot forge, that the driver is there."""
+        return f"agent/{name}/ack"
 
     @staticmethod
     def request(name, seq):

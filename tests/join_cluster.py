@@ -43,9 +43,9 @@ class JoinJob(Job):
     def serve_command(self):
         return ELASTICRUN + serve_args(self.port, self.secret_file) + self.args
 
-    def join_command(self, name, slots=1):
+    def join_command(self, name, slots=1, extra=()):
         return ELASTICRUN + join_args(f"127.0.0.1:{self.port}", self.secret_file, slots, name) \
-            + [sys.executable, str(WORKLOAD)]
+            + list(extra) + [sys.executable, str(WORKLOAD)]
 
     def start(self):
         self._log = open(self.log_path, "wb")
@@ -54,13 +54,21 @@ class JoinJob(Job):
             cwd=REPO, start_new_session=True)
         return self
 
-    def join(self, name, slots=1):
+    def join(self, name, slots=1, extra=()):
         log = open(self.dir / f"agent.{name}.log", "wb")
         proc = subprocess.Popen(
-            self.join_command(name, slots), env=self.env, stdout=log,
+            self.join_command(name, slots, extra), env=self.env, stdout=log,
             stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         self.agents[name] = (proc, log)
         return proc
+
+    def restart_driver(self):
+        """The same serving command again (after the driver died), its output appended."""
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.serve_command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=REPO, start_new_session=True)
+        return self
 
     def agent_output(self, name):
         return (self.dir / f"agent.{name}.log").read_text(errors="replace")

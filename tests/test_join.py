@@ -100,8 +100,8 @@ def test_a_sigkilled_agent_is_a_lost_host_and_its_worker_dies(join_job):
 @pytest.mark.slow
 def test_wrong_secret_is_refused_and_a_killed_driver_leaves_no_orphan(join_job, tmp_path):
     job = join_job(["-np", "2", "--worker-timeout", "10"], env={"JOB_HOLD": "3"}).start()
-    job.join("node-a")
-    job.join("node-b")
+    job.join("node-a", extra=["--driver-grace", "2"])    # no driver back within 2 s
+    job.join("node-b", extra=["--driver-grace", "2"])
     job.wait_step(3, size=2)
 
     wrong = tmp_path / "wrong-secret"

@@ -8,10 +8,15 @@ forwards their output (also printed here, with the same ``[id]<stream>:``
 prefix, for the pod's or node's own log).
 
 Life and death: workers get PDEATHSIG and the agent's pid, so they die with
-the agent; the agent heartbeats the driver and, when the store stops
-answering, kills its workers and exits. SIGTERM (pod eviction, Slurm
-preemption) drains: the agent tells the driver it is leaving, forwards
-SIGTERM to its workers, waits up to ``stop_timeout`` for them, and exits.
+the agent. The driver acknowledges each heartbeat with a sealed ack; when the
+acks stop (the driver is gone), the agent keeps its workers, which train on,
+for ``driver_grace`` seconds (docs/failure-model.md). A driver that comes back
+at the same address and proves the job secret gets the agent's registration
+again, with the live workers it adopts (runner/adoption.py); if none does, the
+agent stops its workers as a SIGTERM would (final checkpoint) and exits with
+one line. SIGTERM (pod eviction, Slurm preemption) drains: the agent tells the
+driver it is leaving, forwards SIGTERM to its workers, waits up to
+``stop_timeout`` for them, and exits.
 """
 
 import json
@@ -36,7 +41,9 @@ BEAT_S = 0.5
 HELLO_WAIT_S = 3.0          # a wrong secret is told after this long at most
 ACCEPT_WAIT_S = 30.0
 FLUSH_WAIT_S = 5.0          # a drained agent waits this long for the driver to read its last reports
-DRIVER_LOST_FAILURES = 6    # consecutive failed heartbeats (about 3 s) before giving up
+DRIVER_SILENT_S = 5.0       # no ack of our beats for this long: is the driver still there?
+ANSWER_WAIT_S = 5.0         # a (restarted) driver answers a beat or a registration by then
+DEFAULT_DRIVER_GRACE_S = 120.0
 MAX_REPORT_LINES = 2000
 MAX_LINE_CHARS = 8192           # a longer line reaches the driver cut and marked (bytes, as read)
 MAX_QUEUED_LINES = 10 * MAX_REPORT_LINES   # beyond this, lines wait in no queue: dropped, counted
@@ -58,6 +65,7 @@ class AgentConfig:
     stop_timeout: float = 20.0
     output_dir: str = None
     quiet: bool = False               # True: forward output to the driver only
+    driver_grace: float = DEFAULT_DRIVER_GRACE_S   # keep the workers this long without a driver
 
 
 class _ForwardingSink(launcher.OutputSink):
@@ -140,6 +148,8 @@ class Agent:
         self.acked = 0             # reports the driver has read (their keys are gone)
         self.draining = False
         self.drain_deadline = None
+        self.heard_at = time.monotonic()   # the driver's last sealed ack of a beat
+        self.acked_beat = 0
         self._signals = []
 
     # -- joining --------------------------------------------------------------------
@@ -182,20 +192,27 @@ class Agent:
             raise AgentFailed(f"the driver at {where} refused this agent: "
                               f"{answer.get('reason', 'no reason given')}")
         self._beat()
+        self.heard_at = time.monotonic()
         log.info("joined the driver at %s as %s with %d slot%s", where, self.cfg.host_name,
                  self.cfg.slots, "s" if self.cfg.slots != 1 else "")
+
+    def _hello(self, store):
+        """True when ``store`` carries a hello that proves the job secret."""
+        try:
+            hello = json.loads(bytes(store.get(protocol.HELLO_KEY))) \
+                if store.check([protocol.HELLO_KEY]) else None
+        except (ValueError, RuntimeError):
+            return None
+        if isinstance(hello, dict) and isinstance(hello.get("nonce"), str) and \
+                hello.get("proof") == protocol.serve_proof(self.secret, hello["nonce"]):
+            return True
+        return False if hello is not None else None
 
     def _check_hello(self, where):
         deadline = time.monotonic() + HELLO_WAIT_S
         while True:
-            hello = None
-            try:
-                if self.store.check([protocol.HELLO_KEY]):
-                    hello = json.loads(bytes(self.store.get(protocol.HELLO_KEY)))
-            except (ValueError, RuntimeError):
-                hello = None
-            if isinstance(hello, dict) and isinstance(hello.get("nonce"), str) and \
-                    hello.get("proof") == protocol.serve_proof(self.secret, hello["nonce"]):
+            hello = self._hello(self.store)
+            if hello:
                 return
             if time.monotonic() > deadline:
                 if hello is None:
@@ -216,6 +233,7 @@ class Agent:
                 if now - last_beat >= BEAT_S:
                     self._beat()
                     self.control.heal()     # reports an outsider overwrote come back
+                    self._heard(now)
                     last_beat = now
                 finished = self._verified(AgentKeys.FINISHED)
                 if finished is not None:
@@ -225,7 +243,7 @@ class Agent:
                 self._report()
             except (RuntimeError, ControlError, OSError):
                 self._wait_for_driver()
-            if self.draining and (not self.workers or now > self.drain_deadline):
+            if self.draining and (not self.workers or time.monotonic() > self.drain_deadline):
                 left = len(self.workers)
                 self._stop_all(signal.SIGKILL)
                 self._reap()
@@ -233,7 +251,17 @@ class Agent:
                 log.info("drained: %s", "every worker left" if not left else
                          f"{left} worker(s) killed after --stop-timeout")
                 return 0
+            if time.monotonic() - self.heard_at > DRIVER_SILENT_S:
+                self._wait_for_driver()
             time.sleep(TICK_S)
+
+    def _heard(self, now):
+        """The driver's ack of a newer beat of ours: it is there (an outsider cannot seal one)."""
+        ack = self._verified(AgentKeys.ack(self.index))
+        if ack is not None and isinstance(ack.get("seq"), int) and ack["seq"] > self.acked_beat:
+            self.acked_beat, self.heard_at = ack["seq"], now
+            return True
+        return False
 
     def _finish(self, finished):
         self._reap()
@@ -246,32 +274,87 @@ class Agent:
         return 0 if code == 0 else 1
 
     def _wait_for_driver(self):
-        """The store failed: probe the port with a plain socket (no retry noise from
-        the store client); reconnect if it answers, else give up after a few tries."""
-        for _ in range(DRIVER_LOST_FAILURES):
+        """The driver stopped answering. Keep the workers (they train on) for up to
+        --driver-grace after its last word; adopt a driver that comes back at the same
+        address and proves the secret (the same one, or a restarted one); else stop the
+        workers gracefully and give up."""
+        where = f"{self.cfg.driver_host}:{self.cfg.driver_port}"
+        grace = self.cfg.driver_grace
+        log.warning("the driver at %s does not answer; keeping %d worker(s) for up to %g s "
+                    "(--driver-grace)", where, len(self.workers), grace)
+        nonce = secrets.token_hex(16)      # one per outage: a late answer still counts
+        while time.monotonic() - self.heard_at < grace:
             self._handle_signals(time.monotonic())
             self._reap()
-            if port_open(self.cfg.driver_host, self.cfg.driver_port):
-                try:
-                    store = protocol.open_link(self.cfg.driver_host, self.cfg.driver_port, 5,
-                                               reconnect_within_s=0)
-                    control = ControlStore(store, self.secret)
-                    # A restarted driver's store holds nothing of ours.
-                    claimed = control.present(AgentKeys.info(self.index)) or \
-                        control.present(AgentKeys.beat(self.index))
-                except Exception:  # noqa: BLE001 - still gone
-                    claimed = None
-                if claimed:
-                    self.store, self.control = store, control
-                    return
-                if claimed is False:
-                    self._stop_all(signal.SIGKILL)
-                    raise AgentFailed("the driver restarted (it no longer knows this agent); "
-                                      "workers stopped, run elasticrun --join again")
+            if self.draining and (not self.workers or time.monotonic() > self.drain_deadline):
+                return                     # the serve loop ends the drain
+            if port_open(self.cfg.driver_host, self.cfg.driver_port) and self._reach(nonce):
+                log.info("the driver at %s answers again; %d worker(s) kept", where,
+                         len(self.workers))
+                return
             time.sleep(BEAT_S)
+        self._give_up(where)
+
+    def _reach(self, nonce):
+        """True once the driver at the address is ours again: the same one acks a beat,
+        a restarted one accepts our registration (with our workers) again."""
+        try:
+            store = protocol.open_link(self.cfg.driver_host, self.cfg.driver_port, 5,
+                                       reconnect_within_s=0)
+            if not self._hello(store):
+                return False               # not (yet) a driver that knows the secret
+            self.store = store
+            self.control.rebind(store)
+            if self.control.present(AgentKeys.beat(self.index)):   # a restarted one has none
+                self._beat()
+                deadline = time.monotonic() + ANSWER_WAIT_S
+                while time.monotonic() < deadline:
+                    if self._heard(time.monotonic()):
+                        return True        # the same driver: reports in flight are healed
+                    time.sleep(TICK_S)
+            return self._register_again(store, nonce)
+        except (RuntimeError, ControlError, OSError, ValueError):
+            return False
+
+    def _register_again(self, store, nonce):
+        """A restarted driver knows nothing of us: register with our live workers."""
+        control = ControlStore(store, self.secret)      # the old driver's reports stay behind
+        workers = {wid: w.popen.pid for wid, w in self.workers.items()}
+        control.put(AgentKeys.info(self.index), {
+            "host": self.cfg.host_name, "slots": self.cfg.slots, "pid": os.getpid(),
+            "workers": workers, "nonce": nonce}, keep=True)
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while time.monotonic() < deadline:
+            answer = self._verified(AgentKeys.accepted(self.index), control)
+            if answer is not None and answer.get("nonce") == nonce:
+                control.forget(AgentKeys.info(self.index))
+                if not answer.get("ok"):
+                    self._stop_all(signal.SIGKILL)
+                    raise AgentFailed(f"the restarted driver refused this agent: "
+                                      f"{answer.get('reason', 'no reason given')}; workers "
+                                      "stopped")
+                self.control, self.received, self.sent, self.acked = control, 0, 0, 0
+                self._beat()
+                self.heard_at = time.monotonic()
+                return True
+            time.sleep(TICK_S)
+            control.heal()
+        return False
+
+    def _give_up(self, where):
+        """No driver within the grace: the workers stop as on a SIGTERM (each writes its
+        final checkpoint), then the agent exits with one line."""
+        log.warning("no driver at %s for %g s: stopping %d worker(s)", where,
+                    self.cfg.driver_grace, len(self.workers))
+        for worker in self.workers.values():
+            worker.kill(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_timeout
+        while self.workers and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(TICK_S)
         self._stop_all(signal.SIGKILL)
-        raise AgentFailed(f"lost contact with the driver at {self.cfg.driver_host}:"
-                          f"{self.cfg.driver_port}; workers stopped")
+        raise AgentFailed(f"lost contact with the driver at {where}: no driver came back "
+                          f"within --driver-grace {self.cfg.driver_grace:g} s; workers stopped")
 
     def _beat(self, gone=False):
         self.beat_seq += 1
@@ -318,7 +401,8 @@ class Agent:
         env.update({k: str(v) for k, v in job_env.items() if isinstance(k, str)})
         env.update({protocol.ENV_ADDR: self.cfg.driver_host,
                     protocol.ENV_SECRET_FILE: os.path.abspath(self.cfg.secret_file),
-                    protocol.ENV_DRIVER_PID: str(os.getpid())})
+                    protocol.ENV_DRIVER_PID: str(os.getpid()),
+                    protocol.ENV_DRIVER_GRACE: str(self.cfg.driver_grace)})
         try:
             self.workers[worker_id] = launcher.start_local(
                 worker_id, self.cfg.host_name, self.cfg.command, env, self.sink)
@@ -375,13 +459,16 @@ class Agent:
                      self.cfg.stop_timeout)
             self.draining = True
             self.drain_deadline = now + self.cfg.stop_timeout
-            self._beat()
+            try:
+                self._beat()
+            except (RuntimeError, ControlError, OSError):
+                pass               # the driver is away: it learns of it from our exits
             for worker in self.workers.values():
                 worker.kill(signal.SIGTERM)
 
-    def _verified(self, key):
+    def _verified(self, key, control=None):
         try:
-            value = self.control.get(key)
+            value = (control or self.control).get(key)
         except (ControlError, ValueError):
             return None
         return value if isinstance(value, dict) else None

@@ -95,6 +95,7 @@ class AgentHub(Discovery):
         self._agents = {}          # name -> _Agent
         self._pending = set()      # names listed whose registration is not answered yet
         self._registrations = None
+        self._adopted = []         # (worker id, host, handle) of live workers agents brought
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = None
@@ -169,6 +170,13 @@ class AgentHub(Discovery):
             except Exception as exc:  # noqa: BLE001 - our own store: only a shutdown fails
                 log.debug("cannot send a request to agent %s: %s", agent.host, exc)
 
+    def take_adopted(self):
+        """Workers that agents still run from before this driver started (a restart):
+        [(worker id, host, handle)], each once."""
+        with self._lock:
+            adopted, self._adopted = self._adopted, []
+        return adopted
+
     def _live_agent(self, host):
         matches = [a for a in self._agents.values() if a.host == host]
         live = [a for a in matches if not a.lost]
@@ -223,9 +231,18 @@ class AgentHub(Discovery):
                              keep=True)
             log.warning("agent on %s refused: %s", host, reason)
             return
-        self._agents[name] = _Agent(name, host, slots, seen=now)
-        self.control.put(AgentKeys.accepted(name), {"ok": True}, keep=True)
-        log.info("agent joined: %s with %d slot%s", host, slots, "s" if slots != 1 else "")
+        agent = self._agents[name] = _Agent(name, host, slots, seen=now)
+        answer = {"ok": True}
+        workers = info.get("workers")
+        if isinstance(workers, dict):         # a restarted driver: the agent kept these
+            answer["nonce"] = str(info.get("nonce"))
+            for wid in sorted((w for w in workers if str(w).isdigit()), key=int)[:slots]:
+                handle = agent.workers[wid] = AgentWorker(self, agent, wid)
+                self._adopted.append((wid, host, handle))
+        self.control.put(AgentKeys.accepted(name), answer, keep=True)
+        log.info("agent %s: %s with %d slot%s%s", "joined" if workers is None else "is back",
+                 host, slots, "s" if slots != 1 else "",
+                 "" if workers is None else f" and {len(agent.workers)} live worker(s)")
 
     def _poll_agent(self, agent, now):
         beat = self._verified(AgentKeys.beat(agent.index))
@@ -233,6 +250,7 @@ class AgentHub(Discovery):
             if not agent.seq:
                 self.control.forget(AgentKeys.accepted(agent.index))   # it read the answer
             agent.seq, agent.seen = beat["seq"], now
+            self.control.put(AgentKeys.ack(agent.index), {"seq": agent.seq})   # we are here
             self._drop_requests(agent, beat.get("received"))
             if beat.get("draining") and not agent.draining:
                 agent.draining = True

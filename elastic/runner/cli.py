@@ -17,7 +17,7 @@ import tempfile
 from elastic import __version__, protocol
 from elastic.exceptions import ElasticError
 from elastic.runner import config_file, dry_run, horovod_flags, launcher, serve, stragglers
-from elastic.runner.agent import run_agent
+from elastic.runner.agent import DEFAULT_DRIVER_GRACE_S, run_agent
 from elastic.runner.console import Console
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
 from elastic.runner.driver import JobConfig, run_job
@@ -132,6 +132,10 @@ def build_parser():
                    help="with --join: this host's name in the job (default: the hostname)")
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="with --join: how long to wait for the driver to listen (default 60)")
+    p.add_argument("--driver-grace", type=float, default=DEFAULT_DRIVER_GRACE_S, metavar="S",
+                   help="with --join: how long this host's workers train on while the driver "
+                        "is gone, waiting for it to come back at the same address "
+                        f"(default {DEFAULT_DRIVER_GRACE_S:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("--log-hide-timestamp", action="store_true",
                    help="driver lines without their timestamp")

@@ -19,6 +19,7 @@ from elastic import protocol as control
 from elastic.exceptions import ElasticError
 from elastic.protocol import Keys
 from elastic.runner import console, launcher
+from elastic.runner.adoption import Adoption
 from elastic.runner.control_plane import DriverControl
 from elastic.runner.decisions import (
     Abort,
@@ -132,6 +133,7 @@ class Driver:
         self._last_spawn_at = None
         self.quiet_ticks = 0
         self._unready = set()      # live workers whose registration has not been seen
+        self.adoption = Adoption()  # a restarted serving driver adopts live workers
 
     def request_stop(self, signum):
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -169,6 +171,8 @@ class Driver:
             while True:
                 now = time.monotonic()
                 self._take_discovery(background.poll(), now)
+                if serving:
+                    self._adopt(now)
                 seen = self._observe(now)
                 if self._quiet(seen, now):
                     self.quiet_ticks += 1           # nothing decide could act on: O(1)
@@ -257,7 +261,10 @@ class Driver:
                               note=w.proc.describe_exit(code) if code else "",
                               leaving=self._signed(Keys.leaving(wid))))
             self.plane.worker_gone(wid)
-        for wid in (self.plane.ready(self._unready, now) if self._unready else ()):
+        found = self.plane.ready(self._unready, now) if self._unready else ()
+        ready, self.job = self.adoption.release(found, now, self.job, self.control,
+                                                self.workers)
+        for wid in ready:
             w = self.workers[wid]
             w.ready = True
             w.heartbeat_at = max(w.heartbeat_at, now)   # its sealed ready key: alive now
@@ -283,6 +290,14 @@ class Driver:
         joined = self._assembly(job, now) if job.round_id else 0
         waiting = sum(1 for wid in self._unready if not self.workers[wid].stopped)
         return Observed(exits, checked, reports, joined, waiting)
+
+    def _adopt(self, now):
+        records, self.job = self.adoption.take(self.cfg.backend, self.workers, self.job, now,
+                                               self.hosts.discovered())
+        for record in records:
+            self.workers[record.worker_id] = record
+            self._unready.add(record.worker_id)
+            self.events.emit("worker_adopted", worker=record.worker_id, host=record.host)
 
     def _heartbeat_check_s(self):
         return heartbeat_read_interval(len(self.workers), self.cfg.worker_timeout)

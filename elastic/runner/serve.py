@@ -81,7 +81,8 @@ def agent_config(args, command):
     if "," in name or ":" in name:
         raise ValueError(f"--host-name {name!r} must be a plain host name")
     for flag, value in (("--join-timeout", args.join_timeout),
-                        ("--stop-timeout", args.stop_timeout)):
+                        ("--stop-timeout", args.stop_timeout),
+                        ("--driver-grace", args.driver_grace)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} must be a positive number, got {value}")
     slots = args.slots if args.slots is not None else 1
@@ -90,4 +91,4 @@ def agent_config(args, command):
     return AgentConfig(driver_host=host, driver_port=port, secret_file=args.secret_file,
                        command=command, host_name=name, slots=slots,
                        connect_timeout=args.join_timeout, stop_timeout=args.stop_timeout,
-                       output_dir=args.output_dir)
+                       output_dir=args.output_dir, driver_grace=args.driver_grace)

@@ -14,6 +14,7 @@ import threading
 import time
 
 from elastic.protocol import RECONNECT_WITHIN_S, Keys, driver_refuses
+from elastic.worker.driver_contact import port_accepts
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +103,29 @@ class Heartbeat(threading.Thread):
 
     def run(self):
         refusals, lost_since = 0, None
+        contact = self._worker.contact
         while not self._halt.is_set():
             try:
                 self._beat += 1
                 self.send(self._beat)
                 refusals, lost_since = 0, None
+                if contact.away:
+                    # A put may "succeed" on a dead socket; a read needs the driver's answer.
+                    self._conn.fetch(Keys.heartbeat(self._worker.worker_id))
+                    contact.back()
+                    contact.announce(self._conn)    # a restarted driver adopts us from it
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
                 self._conn = None
                 now = time.monotonic()
                 lost_since = now if lost_since is None else lost_since
-                refusals = refusals + 1 if driver_refuses(*self._worker.driver_at) else 0
+                if contact.patient:
+                    contact.lost()       # joining mode: the agent decides how long we wait
+                else:
+                    refusals = refusals + 1 if driver_refuses(*self._worker.driver_at) else 0
                 # A closed port is a driver that is gone; silence may be the network,
                 # which gets as long as the store connections do (RECONNECT_WITHIN_S).
-                if (refusals >= DRIVER_GONE_REFUSALS or now - lost_since >= RECONNECT_WITHIN_S) \
-                        and not self._halt.is_set():
+                if not contact.patient and not self._halt.is_set() and \
+                        (refusals >= DRIVER_GONE_REFUSALS or now - lost_since >= RECONNECT_WITHIN_S):
                     log.error("lost contact with elasticrun; exiting so no orphan is left behind")
                     os._exit(1)
             self._wake.wait(self._interval)
@@ -124,8 +134,11 @@ class Heartbeat(threading.Thread):
     def send(self, beat):
         w = self._worker
         if self._conn is None:
+            if w.contact.patient and not port_accepts(*w.driver_at):
+                raise ConnectionRefusedError("the driver is away")   # no store client noise
             self._conn = w.new_control_connection(timeout=CONNECT_TIMEOUT_S, reconnect_within_s=0)
-        value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested)
+        value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested,
+                     round=w.round_id, latest=w.known_latest)   # what an adopting driver reads
         if w.leave_requested:
             w.put_leaving(self._conn)
         self._conn.put(Keys.heartbeat(w.worker_id), value)

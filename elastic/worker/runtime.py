@@ -8,14 +8,12 @@ abort key (waiting.py). See docs/architecture.md for a round's life.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -23,32 +21,15 @@ from elastic import protocol as control
 from elastic.exceptions import ElasticError, HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
 from elastic.protocol import ControlError, ControlStore, Keys, env_float
 from elastic.worker import logs
+from elastic.worker.driver_contact import DriverContact, driver_grace
 from elastic.worker.exit_guard import ExitGuard
 from elastic.worker.groups import RetiredGroups, build_groups, placement_for
 from elastic.worker.liveness import Heartbeat, LeavingReport, Progress
+from elastic.worker.membership import Membership
 from elastic.worker.signed_store import SignedStore
 
 log = logging.getLogger(__name__)
 logs.install()
-
-
-@dataclass(frozen=True)
-class Membership:
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    local_size: int = 1
-    cross_rank: int = 0
-    cross_size: int = 1
-    hostname: str = ""
-
-    def env(self) -> dict[str, str]:
-        """The ELASTIC_* / HOROVOD_* variables that describe this membership."""
-        return control.membership_env(dataclasses.asdict(self), self.hostname)
-
-    def export(self) -> None:
-        """Set them in os.environ: they hold the worker's first round, as Horovod's do."""
-        os.environ.update(self.env())
 
 
 SELF_ASSEMBLY_MAX = 64      # rounds up to this size: members also see each other arrive
@@ -73,7 +54,9 @@ class Worker:
         self.store_timeout = env_float(control.ENV_STORE_TIMEOUT, 60, env)
         self.round_timeout = env_float(control.ENV_ROUND_TIMEOUT, 900, env)
         self.collective_timeout = env_float(control.ENV_COLLECTIVE_TIMEOUT, 600, env)
-        self.control = self.new_control_connection()
+        self.contact = DriverContact(self, driver_grace(env))   # joining mode: outlive the driver
+        self.control = self.new_control_connection(
+            reconnect_within_s=self.contact.reconnect_window(control.RECONNECT_WITHIN_S))
         self.round_id = 0
         self.membership = None
         self.ever_member = False
@@ -105,9 +88,13 @@ class Worker:
     # -- rounds ---------------------------------------------------------------
     def latest_round(self):
         """Only ever moves forward: an older (replayed) or unreadable value changes nothing."""
-        value = self.control.get(Keys.LATEST_ROUND)
+        value = self.contact.news(Keys.LATEST_ROUND)   # the driver away: no news
         if value is not None:
             self._latest = max(self._latest, int(value["round"]))
+        return self._latest
+
+    @property
+    def known_latest(self):
         return self._latest
 
     def learn_latest(self, round_id):
@@ -133,7 +120,7 @@ class Worker:
         if self._rendezvous is not None:
             self._rendezvous.heal()
             self._heal_kept()
-        return self.round_id > 0 and self.control.has(Keys.abort(self.round_id))
+        return self.round_id > 0 and self.contact.news(Keys.abort(self.round_id)) is not None
 
     def report_failure(self, error=""):
         """Our own sealed report with ``error`` (kept until the next round), plus a doorbell."""
@@ -148,11 +135,11 @@ class Worker:
 
     def report_pause(self, seconds):
         if self.membership is not None and self.membership.rank == 0:
-            self.control.put(Keys.pause(self.round_id), {"seconds": round(seconds, 4)})
+            self.contact.put_news(Keys.pause(self.round_id), {"seconds": round(seconds, 4)})
 
     def report_progress(self, values):
-        self.control.put(Keys.progress(self.worker_id),
-                         dict(values, round=self.round_id, at=time.time()))
+        self.contact.put_news(Keys.progress(self.worker_id),
+                              dict(values, round=self.round_id, at=time.time()))
 
     def report_done(self):
         self.control.put(Keys.done(self.worker_id), {"round": self.round_id})
@@ -160,7 +147,7 @@ class Worker:
     def stop_requested(self):
         """True once elasticrun published its stop (SIGTERM/SIGINT to it)."""
         try:
-            return self.control.get(Keys.STOP) is not None
+            return self.contact.news(Keys.STOP) is not None
         except ControlError:
             return False      # a forged value is ignored, never obeyed
 
@@ -201,7 +188,7 @@ class Worker:
 
     def _announce_leaving(self, commit=None):
         try:
-            self._leaving.put(self.control, commit)
+            self._leaving.put(self.contact.quiet_connection(), commit)
         except Exception:  # noqa: BLE001 - the heartbeat said so already
             pass
 
@@ -311,7 +298,7 @@ class Worker:
                 # Rarer looks: the driver also says "not ok" on this key when it
                 # aborts or replaces the round, so these are only a backstop.
                 looked = now
-                if self.control.has(Keys.abort(round_id)):
+                if self.contact.news(Keys.abort(round_id)) is not None:
                     return False
                 if self.latest_round() > round_id:
                     outcome = self.control.get(Keys.assembled(round_id))
@@ -328,7 +315,8 @@ class Worker:
         """Put back our kept values (registration, arrival, failure report) where
         something overwrote them; at most every protocol.backstop_pause of the round."""
         now = time.monotonic()
-        if now - self._healed_at >= control.backstop_pause(self._size_hint):
+        if now - self._healed_at >= control.backstop_pause(self._size_hint) and \
+                not self.contact.away:
             self._healed_at = now
             self.control.heal()
 

@@ -1,0 +1,95 @@
+"""Joining mode outlives its driver (issue 27): real driver, agents and workers on loopback.
+
+The serving driver is SIGKILLed; its agents keep their workers, which train on in
+the current round; the same `elasticrun --serve` command, started again at the
+same port with the same secret, adopts them (same processes) and the job ends
+exit 0 with bitwise-equal ranks, exactly-once samples and no committed step lost.
+"""
+
+import re
+import signal
+
+import pytest
+from join_cluster import JoinJob, wait_until
+from procs import alive, job_workers
+
+from elastic.checkpoint.format import list_checkpoints
+
+
+@pytest.fixture
+def join_job(tmp_path):
+    jobs = []
+
+    def make(args, env=None, **kw):
+        job = JoinJob(tmp_path, args, env=env, **kw)
+        jobs.append(job)
+        return job
+    yield make
+    for job in jobs:
+        job.cleanup()
+
+
+def _kill_driver(job):
+    job.proc.send_signal(signal.SIGKILL)
+    job.proc.wait()
+    job.close_log()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job):
+    job = join_job(["-np", "2", "--worker-timeout", "10"], env={"JOB_HOLD": "3,9"}).start()
+    job.join("node-a")
+    job.join("node-b")
+    job.wait_step(3, size=2)
+    pids = set(job_workers(job.out))
+    assert len(pids) == 2
+    before = max(r["round"] for r in job.steps())
+    _kill_driver(job)
+    # Nothing needs the driver while the round stays: the workers train on without it.
+    job.release(3)
+    wait_until(lambda: any(r["step"] >= 9 for r in job.steps()), "training on to step 9",
+               output=lambda: job.agent_output("node-a"))
+    assert {r["round"] for r in job.steps() if r["step"] > 3} == {before}
+    assert set(job_workers(job.out)) == pids
+    for name in ("node-a", "node-b"):
+        assert "does not answer; keeping 1 worker(s)" in job.agent_output(name)
+    job.restart_driver()
+    job.wait_for(lambda: "adopted worker(s) are back" in job.output(), "the adoption")
+    job.release(9)
+    code = job.finish()
+    job.assert_ok(code, final_size=2)
+    out = job.output()
+    assert "adopting 2 live worker(s)" in out, out[-4000:]
+    # The same two processes ran the whole job: no worker was started again.
+    assert {r["worker"] for r in job.steps()} == {"0", "1"}
+    after = [r["round"] for r in job.steps() if r["step"] > 9]
+    assert after and min(after) > before, (before, after)
+    for name in ("node-a", "node-b"):
+        assert job.wait_agent(name) == 0, job.agent_output(name)
+        assert "answers again" in job.agent_output(name)
+    assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_no_driver_within_the_grace_stops_workers_gracefully(join_job, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = join_job(["-np", "2", "--worker-timeout", "10", "--checkpoint-dir", str(ckpt)],
+                   env={"JOB_HOLD": "3"}).start()
+    for name in ("node-a", "node-b"):
+        job.join(name, extra=["--driver-grace", "3"])
+    job.wait_step(3, size=2)
+    pids = set(job_workers(job.out))
+    _kill_driver(job)
+    left_at = set()
+    for name in ("node-a", "node-b"):
+        assert job.wait_agent(name, timeout=120) != 0
+        text = job.agent_output(name)
+        own = [line for line in text.splitlines() if line.startswith("elasticrun: error:")]
+        assert len(own) == 1 and "no driver came back within --driver-grace 3 s" in own[0], own
+        assert "Traceback" not in text
+        # A graceful stop: each worker left at a commit (a SIGTERM), none was killed.
+        left_at |= {int(n) for n in re.findall(r"left the job at commit (\d+)", text)}
+    wait_until(lambda: not any(alive(p) for p in pids), "every worker to be gone", timeout=30)
+    # Both left at the same commit, and the final checkpoint holds it.
+    assert len(left_at) == 1, left_at
+    assert list_checkpoints(str(ckpt))[-1][0] == left_at.pop()
