@@ -427,7 +427,9 @@ def test_a_second_job_on_the_same_directory_gets_one_clear_error(tmp_path):
     out = second.output()
     line = f"elastic: checkpoint directory {ckpt} is in use by another job"
     assert code != 0
-    assert len([x for x in out.splitlines() if x.endswith(line)]) == 1, out
+    # One line from the worker; the driver's root-cause block quotes it once more.
+    assert len([x for x in out.splitlines() if "<stderr>:" in x and x.endswith(line)]) == 1, out
+    assert "root cause:" in out, out
     assert "Traceback" not in out, out
     assert not second.steps()                   # it never trained
     (first.out / "go").write_text("go")
