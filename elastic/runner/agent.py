@@ -255,10 +255,12 @@ class Agent:
                 self._wait_for_driver()
             time.sleep(TICK_S)
 
-    def _heard(self, now):
-        """The driver's ack of a newer beat of ours: it is there (an outsider cannot seal one)."""
+    def _heard(self, now, at_least=0):
+        """The driver's ack of a newer beat of ours (at least beat ``at_least``): it is
+        there. An outsider can neither seal one nor replay one for a beat not yet sent."""
         ack = self._verified(AgentKeys.ack(self.index))
-        if ack is not None and isinstance(ack.get("seq"), int) and ack["seq"] > self.acked_beat:
+        if ack is not None and isinstance(ack.get("seq"), int) and \
+                ack["seq"] > self.acked_beat and ack["seq"] >= at_least:
             self.acked_beat, self.heard_at = ack["seq"], now
             return True
         return False
@@ -309,7 +311,7 @@ class Agent:
                 self._beat()
                 deadline = time.monotonic() + ANSWER_WAIT_S
                 while time.monotonic() < deadline:
-                    if self._heard(time.monotonic()):
+                    if self._heard(time.monotonic(), at_least=self.beat_seq):
                         return True        # the same driver: reports in flight are healed
                     time.sleep(TICK_S)
             return self._register_again(store, nonce)

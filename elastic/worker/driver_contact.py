@@ -79,7 +79,7 @@ class DriverContact:
             self._news_tried = 0.0
         if was_away:
             self.returns += 1
-            log.warning("the driver answers again")
+            log.warning("the control store answers again")
         return was_away
 
     def announce(self, conn):
