@@ -44,6 +44,8 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q pyyaml "ray>=2.9"
 	# --metrics-port and --tensorboard (tests/test_metrics.py).
 	$(PY) -m pip install -q "prometheus_client>=0.20" tensorboard
+	# HF Accelerate: tests/test_accelerate.py runs it inside @elastic.run (docs/torchrun.md).
+	$(PY) -m pip install -q accelerate==1.15.0
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -21,6 +21,7 @@ collective on an ended round's group raises WorkersDepartedError at once.
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -243,15 +244,34 @@ def torchrun_env(membership, environ) -> dict[str, str]:
             "MASTER_PORT": environ.get(protocol.ENV_PORT, "0")}
 
 
+ABORT_GRACE_S = 5.0    # how long an unexplained error waits for its round's abort
+
+
 def explains(exc: BaseException, worker: Worker | None) -> bool:
     """Whether ``exc``, raised by user code in a round, means a peer departed: a
     torch.distributed error, our own error passed through a C++ future (DDP's
-    backward), or anything at all once the round was aborted."""
+    backward), or anything at all once the round is aborted.
+
+    A gloo error can reach us (within milliseconds of a peer's death) before the
+    driver aborts the round, and may not say it is one (a library re-raises it as
+    its own), so any other error waits up to ABORT_GRACE_S for the abort before it
+    counts as the script's own and ends the worker."""
     if worker is None or isinstance(exc, ElasticError):
         return False     # ours say what they mean (WorkersDepartedError is caught before)
-    if isinstance(exc, dist.DistError) or "WorkersDepartedError" in str(exc):
-        return True
-    try:
-        return worker.membership is not None and worker.round_aborted()
-    except Exception:  # noqa: BLE001 - the store unreadable: no evidence either way
-        return False
+    chain, seen = exc, 0
+    while chain is not None and seen < 8:
+        if isinstance(chain, (dist.DistError, WorkersDepartedError)) or \
+                "WorkersDepartedError" in str(chain):
+            return True
+        chain, seen = chain.__cause__ or chain.__context__, seen + 1
+    deadline = time.monotonic() + ABORT_GRACE_S
+    while worker.membership is not None:
+        try:
+            if worker.round_aborted():
+                return True
+        except Exception:  # noqa: BLE001 - the store unreadable: no evidence either way
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(waiting.WAIT_SLICE_S)
+    return False
