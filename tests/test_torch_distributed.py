@@ -8,9 +8,11 @@ host added) -> 2 (that host removed).
 """
 
 import json
+import time
 
 import pytest
 import torch
+from harness import Workers
 from jobs import REPO, Job, sizes_in_order
 
 import elastic
@@ -121,3 +123,29 @@ def test_outside_elasticrun_ddp_is_the_module_and_no_group_is_installed():
     with model.no_sync():
         model(x).sum().backward()
     assert list(model.state_dict()) == ["module.weight", "module.bias"]
+
+
+def test_blocked_user_collectives_raise_when_the_round_is_aborted(tmp_path):
+    """A hung peer (SIGSTOP) keeps its connections open, so gloo would wait for the group
+    timeout (600 s here); the round's abort ends a user's dist.all_reduce and DDP's
+    backward at once, each as an error @elastic.run counts as a departure."""
+    out = tmp_path / "marks"
+    out.mkdir()
+    with Workers(REPO / "tests" / "workloads" / "hung_peer.py", 3, tmp_path,
+                 extra_env={"HUNG_OUT": str(out), "ELASTIC_COLLECTIVE_TIMEOUT": "600"},
+                 timeout=240) as w:
+        w.wait_for(lambda: all((out / name).exists()
+                               for name in ("stopping", "blocking.0", "blocking.1")),
+                   "rank 2 to stop and ranks 0 and 1 to block on it")
+        w.abort(1)
+        deadline = time.monotonic() + 120
+        while any(p.poll() is None for p in w.procs[:2]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        w.kill()
+        results = [json.loads(line) for wid in w.ids[:2]
+                   for line in (tmp_path / f"{wid}.out").read_text().splitlines()
+                   if line.startswith("{")]
+    assert len(results) == 2, w.logs()
+    for r in results:
+        assert r["all_reduce"] == "WorkersDepartedError explained=False", r  # ours: caught as is
+        assert r["ddp_backward"].endswith("explained=True"), r
