@@ -46,6 +46,8 @@ ENV_SSH_LOOPBACK = "ELASTIC_SSH_LOOPBACK"     # 1: 127.0.0.2+ are remote (the ss
 ENV_CHECKPOINT_LOCK_WAIT = "ELASTIC_CHECKPOINT_LOCK_WAIT"
 ENV_CHECKPOINT_WRITE_TIMEOUT = "ELASTIC_CHECKPOINT_WRITE_TIMEOUT"
 ENV_CHECKPOINT_RETRY = "ELASTIC_CHECKPOINT_RETRY"  # seconds between tries for a held lock
+ENV_CHECKPOINT_UNUSABLE = "ELASTIC_CHECKPOINT_UNUSABLE"  # --on-unusable-checkpoint
+EXIT_STOP_JOB = 78     # a worker found an error of the job, not of its host (Keys.fatal says it)
 ENV_CHECKPOINT_TEST_HOLD = "ELASTIC_CHECKPOINT_TEST_HOLD"    # test hooks: slow a write down
 ENV_CHECKPOINT_TEST_DELAY = "ELASTIC_CHECKPOINT_TEST_DELAY"
 ENV_JOBS_DIR = "ELASTIC_JOBS_DIR"            # where drivers leave job files for elasticctl
@@ -246,6 +248,11 @@ class Keys:
         newcomer allocates and touches its receive buffers before it is admitted
         (elastic/state/states.py, ``State._reserve_for_sync``)."""
         return f"state/{kind}/spec"
+
+    @staticmethod
+    def fatal(worker_id):
+        """The one line of an error that stops the job, not a host fault (worker/fatal.py)."""
+        return f"worker/{worker_id}/fatal"
 
     @staticmethod
     def leaving(worker_id):

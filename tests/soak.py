@@ -8,8 +8,10 @@ tests/workloads/train_job.py on loopback hosts (127.0.0.2 and up, each one
 slot; localhost is never touched, so its worker lives through every change and
 its fds, threads and RSS can be watched): SIGKILL, SIGSTOP, SIGTERM to a worker
 (with its host leaving discovery, as a spot reclaim does), a stuck training
-thread, hosts added and removed, and SIGTERM to elasticrun followed by a rerun
-of the same command. At the end: every rank bitwise equal, every sample trained
+thread, hosts added and removed, a host whose gloo cannot open its data connections
+(GLOO_SOCKET_IFNAME=bogus0 there: repeating group errors, blamed after
+repeats.GROUP_REPEAT_LIMIT rounds and back after each cooldown), and SIGTERM to
+elasticrun followed by a rerun of the same command. At the end: every rank bitwise equal, every sample trained
 exactly once per epoch in the committed history, no committed step lost, and
 the long-lived worker's resources bounded.
 """
@@ -33,7 +35,8 @@ from procs import state as proc_state  # noqa: E402
 POOL = [f"127.0.0.{i}" for i in range(2, 8)]
 KEEP = "localhost"
 SAMPLES = 96
-ACTIONS = ("add", "remove", "kill", "stop", "term", "stuck")
+BADNET = "127.0.0.9"        # its workers' gloo has no interface: every group fails there
+ACTIONS = ("add", "remove", "kill", "stop", "term", "stuck", "badnet")
 LIMITS = {"fds": 20, "threads": 10, "rss": 1.10}
 
 
@@ -64,7 +67,8 @@ class Soak:
                 "--checkpoint-dir", str(self.ckpt), "--event-log", str(self.events)]
         job = Job(self.dir, args, hosts=self.listed,
                   env={"JOB_EPOCHS": "100000", "JOB_SAMPLES": str(SAMPLES),
-                       "JOB_END_FILE": str(self.out / "end"), "ELASTIC_CHECKPOINT_LOCK_WAIT": "30"})
+                       "JOB_END_FILE": str(self.out / "end"), "ELASTIC_CHECKPOINT_LOCK_WAIT": "30",
+                       "JOB_BAD_IFACE_HOST": BADNET})
         job.out = self.out
         self.out.mkdir(exist_ok=True)
         job.env["JOB_OUT"] = str(self.out)
@@ -122,7 +126,12 @@ class Soak:
         self.job.set_hosts(hosts)
 
     def act(self, action):
-        members = {wid: v for wid, v in self.members().items() if v[1] != KEEP}
+        if action == "badnet":               # listed: repeating group errors until blamed
+            self.set_hosts([h for h in self.listed if h != BADNET] if BADNET in self.listed
+                           else self.listed + [BADNET])
+            self.counts["badnet"] += 1
+            return True
+        members = {wid: v for wid, v in self.members().items() if v[1] != KEEP and v[1] != BADNET}
         unlisted = [h for h in POOL if h not in self.listed]
         if action == "add" and not unlisted:
             action = "remove"
@@ -180,7 +189,7 @@ class Soak:
         self.job.wait_step(2)
         stop_points = sorted(self.rng.sample(range(self.target // 4, self.target * 3 // 4 + 1),
                                              self.driver_stops)) if self.driver_stops else []
-        weights = (4, 3, 3, 1, 3, 1)
+        weights = (4, 3, 3, 1, 3, 1, 1)
         while self.changes() < self.target:
             self.steady(timeout=30)
             if not self.measured and self.changes() > self.run_started_at:
@@ -195,6 +204,8 @@ class Soak:
             action = "add" if size <= 1 else self.rng.choices(ACTIONS, weights)[0]
             if size >= 5 and action == "add":
                 action = "remove"
+            if not self.counts["badnet"] and self.changes() >= self.target // 3:
+                action = "badnet"            # once in every run, whatever the seed
             self.act(action)
             deadline = time.monotonic() + 30
             while self.changes() == before and time.monotonic() < deadline:

@@ -29,6 +29,7 @@ import torch
 
 from elastic import protocol
 from elastic.checkpoint import format as store
+from elastic.checkpoint import resume
 from elastic.checkpoint.format import CheckpointError, CorruptCheckpoint, list_checkpoints  # noqa: F401
 from elastic.checkpoint.lock import (
     SAME_JOB_WAIT_S,
@@ -39,7 +40,7 @@ from elastic.checkpoint.lock import (
 )
 from elastic.checkpoint.writer import write_checkpoint
 from elastic.protocol import env_float
-from elastic.worker import runtime
+from elastic.worker import fatal, runtime
 
 log = logging.getLogger(__name__)
 ENV_DIR = protocol.ENV_CHECKPOINT_DIR
@@ -63,12 +64,14 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, every_commits: int | None = None,
-                 every_seconds: float | None = None, keep: int = 3):
+                 every_seconds: float | None = None, keep: int = 3, unusable: str | None = None):
         """``directory`` is created by the writer (0700). Environment: ELASTIC_CHECKPOINT_LOCK_WAIT
         (seconds to wait for a directory locked by another job, default 10: its killed
         workers may still be exiting); ELASTIC_CHECKPOINT_WRITE_TIMEOUT (default 600);
         ELASTIC_CHECKPOINT_RETRY (seconds between tries to take the lock after it
-        failed, default 5)."""
+        failed, default 5). ``unusable``: what a rerun does when the newest checkpoint
+        cannot be used, "previous" (default) or "stop" (resume.py; elasticrun's
+        --on-unusable-checkpoint sets ELASTIC_CHECKPOINT_UNUSABLE)."""
         if not directory:
             raise ValueError("Checkpointer needs a directory")
         if every_commits is not None and (int(every_commits) != every_commits or every_commits < 1):
@@ -83,6 +86,8 @@ class Checkpointer:
         self.every_commits = None if every_commits is None else int(every_commits)
         self.every_seconds = every_seconds
         self.keep = int(keep)
+        # An unusable newest checkpoint: "previous" (fall back, one warning) or "stop".
+        self.unusable = resume.choice(unusable or os.environ.get(protocol.ENV_CHECKPOINT_UNUSABLE))
         self.lock_wait_s = env_float(protocol.ENV_CHECKPOINT_LOCK_WAIT, 10.0)
         self.write_timeout_s = env_float(protocol.ENV_CHECKPOINT_WRITE_TIMEOUT, 600.0)
         self.retry_s = env_float(protocol.ENV_CHECKPOINT_RETRY, 5.0)
@@ -242,18 +247,21 @@ class Checkpointer:
 
     # -- internals ------------------------------------------------------------------------
     def _resume(self, state):
-        """Load the newest good checkpoint; without the lock, read-only (nothing quarantined)."""
+        """Load the newest checkpoint that loads; without the lock, read-only (nothing
+        quarantined). resume.py says what happens to the ones that cannot be used."""
         try:
-            found = store.load_newest(self.directory, warn=_warn, quarantine=self._lock.held)
+            found = resume.newest_usable(self.directory, state, self.unusable, _warn,
+                                         quarantine=self._lock.held)
+        except resume.Refused as exc:
+            fatal.stop_job(str(exc))
         except Exception as exc:  # noqa: BLE001 - e.g. the directory cannot be listed
             _warn(f"cannot look for checkpoints in {self.directory} ({exc}); "
                   "starting without one")
             return
         if found is None:
             return
-        version, tree, path = found
-        self._last_version = max(self._last_version, version)
-        state.adopt(tree, version)
+        version, path, above = found
+        self._last_version = max(self._last_version, above)
         self._since_commits, self._last_time = 0, time.monotonic()
         self.resumed_from = {"version": version, "path": path}
         _tell_driver(version)

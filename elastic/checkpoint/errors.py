@@ -18,6 +18,16 @@ class CorruptCheckpoint(CheckpointError):
         self.bad_blobs = list(bad_blobs)
 
 
+class Unusable(CheckpointError):
+    """A checkpoint that verifies but cannot be used here: written in a newer format, its
+    objects do not unpickle (a renamed class, a library upgrade), or it does not fit the
+    state (another model or optimizer). Never quarantined: its content is intact."""
+
+
+class NewerFormat(Unusable):
+    """Written by a newer elastic, in a format this one cannot read."""
+
+
 class Unreadable(CheckpointError):
     """A file could not be read even after retries (an OSError: EIO, ESTALE, EMFILE,
     missing...). Says nothing about its content: the checkpoint is skipped for this

@@ -36,7 +36,13 @@ import torch
 import xxhash
 
 from elastic.checkpoint import storage
-from elastic.checkpoint.errors import CheckpointError, CorruptCheckpoint, Unreadable  # noqa: F401
+from elastic.checkpoint.errors import (  # noqa: F401
+    CheckpointError,
+    CorruptCheckpoint,
+    NewerFormat,
+    Unreadable,
+    Unusable,
+)
 from elastic.state.snapshot import join
 
 FORMAT = "elastic-checkpoint/2"             # blobs named by xxh3-128
@@ -95,11 +101,16 @@ def read_manifest(path):
         doc = json.loads(bytes(raw))
         body = doc["body"]
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        ok = sha256_hex(canonical.encode()) == doc["sha256"] and body["format"] in READABLE
+        ok = sha256_hex(canonical.encode()) == doc["sha256"]
+        fmt = body["format"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"torn or invalid manifest ({exc.__class__.__name__})") from None
     if not ok:
         raise CorruptCheckpoint("manifest checksum mismatch")
+    if fmt not in READABLE:
+        # Intact (its checksum holds), only newer than this elastic: refused, never quarantined.
+        raise NewerFormat(f"written in format {fmt!r} by a newer elastic; this one reads "
+                          f"{', '.join(READABLE)}")
     if body.get("byteorder") != sys.byteorder:
         raise CheckpointError(f"checkpoint written on a {body.get('byteorder')}-endian machine")
     return body
@@ -124,7 +135,12 @@ def read_checkpoint(directory, body, bad_blobs=()):
     known_bad = sorted(set(sizes) & set(bad_blobs))
     if known_bad:
         raise CorruptCheckpoint(f"names blob {known_bad[0][:12]}…, which fails its checksum")
-    skeleton = pickle.loads(_read_blob(directory, body["skeleton"], sizes[body["skeleton"]]))
+    raw_skeleton = _read_blob(directory, body["skeleton"], sizes[body["skeleton"]])
+    try:
+        skeleton = pickle.loads(raw_skeleton)
+    except Exception as exc:  # noqa: BLE001 - a renamed class, a missing module, a new library
+        raise Unusable(f"its objects do not unpickle here ({exc.__class__.__name__}: "
+                       f"{' '.join(str(exc).split())[:200]})") from None
     tensors = [None] * len(body["tensors"])
     by_blob = {}
     for i, e in enumerate(body["tensors"]):
@@ -147,20 +163,34 @@ def read_checkpoint(directory, body, bad_blobs=()):
 
 
 def load_newest(directory, warn=None, quarantine=False):
-    """(version, tree, path) of the newest checkpoint that verifies, or None.
+    """(version, tree, path) of the newest checkpoint that verifies and loads, or None.
 
     Each newer one that fails is reported through ``warn``. A corrupt one (its
     content does not verify) is quarantined with ``quarantine`` (only the lock
     holder may): its manifest and bad blobs are renamed to ``*.corrupt``, never
     deleted, so that neither a later load nor a later write trusts them. One
     that cannot be read (an OSError, after retries) is only skipped: nothing is
-    renamed, and a later load tries it again.
+    renamed, and a later load tries it again. An unusable one (a newer format, objects
+    that do not unpickle) is reported and skipped, never renamed.
     """
+    def skipped(version, path, exc):
+        if warn is not None:
+            warn(f"checkpoint {path} cannot be used ({exc}); trying the previous one")
+    return next(candidates(directory, warn, quarantine, skipped), None)
+
+
+def candidates(directory, warn=None, quarantine=False, unusable=None):
+    """Yield (version, tree, path) of each checkpoint that verifies and unpickles, newest
+    first (corrupt and unreadable ones as ``load_newest`` says); an Unusable one is
+    handed to ``unusable(version, path, exc)`` and skipped."""
     bad = set()
     for version, path in reversed(list_checkpoints(directory)):
         try:
             tree = read_checkpoint(directory, read_manifest(path), bad)
-            return version, tree, path
+        except Unusable as exc:
+            if unusable is not None:
+                unusable(version, path, exc)
+            continue
         except CorruptCheckpoint as exc:
             bad.update(exc.bad_blobs)
             if warn is not None:
@@ -172,11 +202,13 @@ def load_newest(directory, warn=None, quarantine=False):
                     storage.forget_blob(directory, name)
                     _rename_quietly(blob_path(directory, name))
                 _rename_quietly(path)
+            continue
         except CheckpointError as exc:      # Unreadable, or written on another machine
             if warn is not None:
                 warn(f"checkpoint {path} cannot be used now ({exc}); skipped for this load, "
                      "nothing renamed; trying the previous one")
-    return None
+            continue
+        yield version, tree, path
 
 
 def _rename_quietly(path):

@@ -110,6 +110,11 @@ def build_parser():
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="durable checkpoints for every worker's TorchState (sets "
                         "ELASTIC_CHECKPOINT_DIR): rerunning the same command resumes there")
+    p.add_argument("--on-unusable-checkpoint", choices=("previous", "stop"), default=None,
+                   help="when the newest checkpoint cannot be used (a newer format, objects "
+                        "that no longer unpickle, another model): resume from the newest "
+                        "that loads, with one warning (previous, the default), or stop with "
+                        "one line (stop). Never starts from scratch while checkpoints exist")
     p.add_argument("--event-log", help="append JSON-lines events (rounds, failures, pauses, "
                    "progress) to this file; `python -m elastic.runner.timeline FILE` draws them")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -263,7 +268,9 @@ def config_from_args(args):
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
         remote_python=args.remote_python, network_interface=args.network_interface,
         extra_env={**extra_env, **({protocol.ENV_CHECKPOINT_DIR: os.path.abspath(
-            args.checkpoint_dir)} if args.checkpoint_dir else {})},
+            args.checkpoint_dir)} if args.checkpoint_dir else {}),
+            **({protocol.ENV_CHECKPOINT_UNUSABLE: args.on_unusable_checkpoint}
+               if args.on_unusable_checkpoint else {})},
         start_timeout=start_timeout, stragglers=straggler_rule,
         **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )

@@ -149,6 +149,7 @@ class Exit:
     done_round: int | None = None  # the round it reported training done in
     note: str = ""                 # words after "exited with code N" (ssh failures)
     leaving: Mapping | None = None  # it got SIGTERM and left at a commit (Keys.leaving)
+    fatal: str | None = None       # the line of an error that stops the job (worker/fatal.py)
 
 
 @dataclass(frozen=True)

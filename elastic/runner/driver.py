@@ -259,7 +259,8 @@ class Driver:
             exits.append(Exit(wid, w.host, code, stopped=w.stopped, ready=w.ready,
                               done_round=done["round"] if done else None,
                               note=w.proc.describe_exit(code) if code else "",
-                              leaving=self._signed(Keys.leaving(wid))))
+                              leaving=self._signed(Keys.leaving(wid)),
+                              fatal=self._fatal_line(wid, code)))
             self.plane.worker_gone(wid)
         found = self.plane.ready(self._unready, now) if self._unready else ()
         ready, self.job = self.adoption.release(found, now, self.job, self.control,
@@ -313,6 +314,12 @@ class Driver:
             self.events.emit("round_assembled", round=job.round_id, size=count,
                              seconds=round(seconds, 4))
         return count
+
+    def _fatal_line(self, wid, code):
+        """What a worker that exited with EXIT_STOP_JOB said stops the job (worker/fatal.py)."""
+        value = self._signed(Keys.fatal(wid)) if code == control.EXIT_STOP_JOB else None
+        line = str(value.get("line") or "")[:2000] if value else ""
+        return line or None
 
     def _signed(self, key):
         try:

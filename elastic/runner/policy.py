@@ -254,6 +254,8 @@ class _Tick:
         for wid in list(self.pending):
             e = self.pending.pop(wid)
             job = self.job
+            if e.fatal and not e.stopped:
+                self.emit(Fail(e.fatal))        # the job's error, not its host's: no blame
             kind = classify_exit(e.code, stopped_by_driver=e.stopped, in_current_round=wid in current,
                                  reported_done=e.done_round is not None,
                                  never_joined=not e.ready and job.round_id == 0)

@@ -6,6 +6,7 @@ a commit after every step. Checkpoints come from $ELASTIC_CHECKPOINT_DIR
 Env: JOB_OUT, JOB_EPOCHS (6), JOB_SAMPLES (64), JOB_BATCH (4), JOB_STEP_SLEEP (0),
      JOB_HOLD=step: after that step, keep committing until $JOB_OUT/go exists.
      JOB_KILL_RANK0_AT=step: rank 0 SIGKILLs itself before that step (once per job).
+     JOB_WIDTH (32): the hidden layer's width (another width: another model).
 Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step, as tests/jobs.py reads),
 final.<rank>.json (digests, step, sampler, checkpoint info), history.json (rank 0:
 the committed history (epoch, step, sample ids)).
@@ -38,8 +39,9 @@ def main():
     target = data.sum(dim=1, keepdim=True)
     device = job_device()
     data, target = data.to(device), target.to(device)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                torch.nn.Linear(32, 1)).to(device)
+    width = int(os.environ.get("JOB_WIDTH", "32"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
