@@ -665,7 +665,7 @@ def bench_ops():
 @section("adascale")
 def bench_adascale():
     reps = 10 if QUICK else 40
-    r0 = common.launch(BENCH / "adascale_bench.py", 2, [reps, "mlp:cnn"])[0]
+    r0 = common.launch(BENCH / "adascale_bench.py", 2, [reps, "mlp:cnn"], timeout=600)[0]
     for kind, label in (("mlp", "MLP"), ("cnn", "small CNN")):
         d = r0[kind]
         pairs = [a / b for a, b in zip(d["adascale"], d["linear"])]   # back to back
