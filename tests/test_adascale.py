@@ -300,18 +300,19 @@ def elastic_job(tmp_path_factory):
     job.set_hosts(["127.0.0.1:2", f"{THIRD_HOST}:1"])    # 2 -> 3 at the commit of step 90
     job.wait_step(HOLDS[1] + 1, size=3)
     assert job.finish() == 0, job.output()[-4000:]
-    by_step = {}
+    return job, by_step(job)
+
+
+def by_step(job):
+    steps = {}
     for r in job.steps():
-        by_step.setdefault(r["step"], {})[r["rank"]] = r
-    return job, [by_step[s] for s in sorted(by_step)]
+        steps.setdefault(r["step"], {})[r["rank"]] = r
+    return [steps[s] for s in sorted(steps)]
 
 
-@slow
-def test_elastic_run_keeps_progress_continuous(elastic_job):
-    job, steps = elastic_job
-    assert sizes_in_order(job.steps()) == [4, 2, 3]
-    assert [len(ranks) for ranks in steps] == [
-        4 if s <= HOLDS[0] else 2 if s <= HOLDS[1] else 3 for s in range(1, len(steps) + 1)]
+def check_gains_and_progress(steps, passes=1):
+    """Every rank agrees at every step; each gain equals one recomputed from the workers'
+    own gradient norms; progress is the sum of the gains. Returns the estimator."""
     est, progress, previous = GainEstimator(), 0.0, None
     for ranks in steps:
         first = ranks[0]
@@ -323,13 +324,23 @@ def test_elastic_run_keeps_progress_continuous(elastic_job):
         # step's norms count from the next step on, within its round.
         if previous is not None and previous[0]["round"] == first["round"]:
             est.observe(sum(r["local_sq"] for r in previous.values()),
-                        previous[0]["reduced_sq"], previous[0]["size"])
-        assert first["gain"] == pytest.approx(est.gain(first["size"]), rel=1e-9)
-        assert 1.0 <= first["gain"] <= first["size"]
+                        previous[0]["reduced_sq"], previous[0]["size"], passes)
+        assert first["gain"] == pytest.approx(est.gain(first["size"], passes), rel=1e-9)
+        assert 1.0 <= first["gain"] <= first["size"] * passes
         assert first["observations"] == est.observations      # never reset by a change
         progress += first["gain"]
         assert first["progress"] == pytest.approx(progress, rel=1e-12)
         previous = ranks
+    return est
+
+
+@slow
+def test_elastic_run_keeps_progress_continuous(elastic_job):
+    job, steps = elastic_job
+    assert sizes_in_order(job.steps()) == [4, 2, 3]
+    assert [len(ranks) for ranks in steps] == [
+        4 if s <= HOLDS[0] else 2 if s <= HOLDS[1] else 3 for s in range(1, len(steps) + 1)]
+    est = check_gains_and_progress(steps)
     assert est.observations == len(steps) - 3     # the last step of each round is dropped
     finals = [json.loads(p.read_text()) for p in job.out.glob("final.*.json")]
     assert len(finals) == 3 and len({json.dumps(f["scaler"]) for f in finals}) == 1
@@ -344,3 +355,18 @@ def test_elastic_run_reaches_the_target_like_one_worker(elastic_job, single_work
     assert reached is not None, steps[-1][0]
     assert abs(reached / reference - 1) <= 0.10, (reached, reference)
     assert len(steps) < 0.6 * problem.TOTAL                  # in fewer steps than one worker
+
+
+@slow
+def test_ddp_with_accumulation(tmp_path):
+    """Two workers reducing through elastic.DDP and the scaler's comm hook, two backward
+    passes per step (no_sync): S = 4, and the gains follow from the norms as above."""
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"], script=WORKLOAD,
+              env={"ADA_DDP": "1", "ADA_PASSES": "2", "ADA_TOTAL": "60"})
+    assert job.run() == 0, job.output()[-4000:]
+    steps = by_step(job)
+    assert all(len(ranks) == 2 for ranks in steps)
+    est = check_gains_and_progress(steps, passes=2)
+    assert est.observations == len(steps) - 1 and len(steps) < 40
+    assert 1.5 < steps[-1][0]["gain"] < 4.0
+    assert steps[-1][0]["loss"] < 0.2 * steps[0][0]["loss"]

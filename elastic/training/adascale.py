@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from elastic.worker import collectives, runtime
 
@@ -112,9 +113,10 @@ class GainEstimator:
 
 
 class GradientNorms:
-    """Watches a DistributedOptimizer's buckets: |local|^2 as each goes out, one scalar
-    allreduce (Sum) of it queued behind the last bucket on the same group, and |reduced|^2
-    once all are back. Set as the optimizer's ``gradient_observer``.
+    """Measures a step's gradient norms as the reduction goes: |local|^2 of each bucket
+    as it leaves, one scalar allreduce (Sum) of their total queued behind the last
+    bucket on the same group, |reduced|^2 of each bucket once back. Fed by a
+    DistributedOptimizer (its ``gradient_observer``) or, as a comm hook, by DDP.
 
     Nobody waits for the scalar: a step's norms are folded in at the next step, when its
     allreduce has long finished, so the gain of step t uses the steps before it (one
@@ -128,39 +130,78 @@ class GradientNorms:
         self._measuring = measuring   # asked at each step's first bucket; same on every rank
         self._on = False
         self._local = None
-        self._launched = None      # (sum tensor, handle) of this step's scalar allreduce
-        self._pending = None       # (round, sum tensor, handle, reduced_sq, workers)
+        self._reduced = 0.0
+        self._launched = None      # (sum tensor, its wait, workers) of this step's scalar
+        self._pending = None       # (round, sum tensor, its wait, reduced_sq, workers)
+        self.hooked = False        # fed by DDP: the step itself says when a step ends
 
-    def local(self, flat: torch.Tensor, index: int, count: int) -> None:
-        """Bucket ``index`` of ``count`` is about to be reduced; ``flat`` holds this rank's values."""
+    def local(self, flat: torch.Tensor, index: int, last: bool, group=None) -> None:
+        """Bucket ``index`` is about to be reduced (``last``: the step's last); ``flat``
+        holds this rank's values. ``group``: a torch.distributed group for the scalar
+        (DDP's); by default elastic's collectives (DistributedOptimizer's)."""
         if index == 0:
             self._on, self._local, self._launched = bool(self._measuring()), None, None
+            self._reduced = 0.0
         if not self._on:
             return
         sq = _squared_norm(flat)
         self._local = sq if self._local is None else self._local + sq
-        if index == count - 1:
+        if last:
             total = self._local.reshape(1).to(torch.float64)
-            self._launched = (total, collectives.allreduce_async(total, collectives.Sum))
+            if group is None:
+                handle = collectives.allreduce_async(total, collectives.Sum)
+                wait, workers = (lambda: collectives.synchronize(handle)), runtime.size()
+            else:
+                wait = dist.all_reduce(total, group=group, async_op=True).wait
+                workers = dist.get_world_size(group)
+            self._launched = (total, wait, workers)
             self._local = None
+
+    def add_reduced(self, flat: torch.Tensor) -> None:
+        """A bucket's reduced values (the mean over workers)."""
+        if self._on:
+            self._reduced += float(_squared_norm(flat))
 
     def reduced(self, flats: list, op: str) -> None:
         """Every bucket is reduced; ``flats`` hold the results under ``op``."""
+        for flat in flats:
+            self.add_reduced(flat)
+        self.step_done(op)
+
+    def step_done(self, op: str = collectives.Average) -> None:
+        """The step's reduction is complete: fold in the previous step, keep this one."""
         w = runtime.worker()
         round_id = w.round_id if w is not None else 0
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == round_id:
-            _, total, handle, reduced_sq, workers = pending
-            collectives.synchronize(handle)
+            _, total, wait, reduced_sq, workers = pending
+            wait()
             self._on_step(float(total), reduced_sq, workers)
         launched, self._launched = self._launched, None
+        reduced_sq, self._reduced = self._reduced, 0.0
         if launched is None or op not in (collectives.Average, collectives.Sum):
             return                  # not measured, or Min/Max/Product: no mean gradient
-        workers = runtime.size()
-        reduced_sq = sum(float(_squared_norm(f)) for f in flats)
+        total, wait, workers = launched
         if op == collectives.Sum:   # the sum of W means: |g|^2 of the mean is 1/W^2 of it
             reduced_sq /= workers * workers
-        self._pending = (round_id, launched[0], launched[1], reduced_sq, workers)
+        self._pending = (round_id, total, wait, reduced_sq, workers)
+
+    def comm_hook(self, state, bucket):
+        """A DDP comm hook: DDP's average (over ``state``, a process group, or the
+        default group when None), measuring the norms on the way."""
+        self.hooked = True
+        group = state if state is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        self.local(buffer, bucket.index(), bucket.is_last(), group)
+        buffer.div_(dist.get_world_size(group))
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        def reduced(fut):
+            value = fut.value()
+            out = value[0] if isinstance(value, (list, tuple)) else value
+            self.add_reduced(out)
+            return out
+        return future.then(reduced)
 
 
 def _squared_norm(flat: torch.Tensor) -> torch.Tensor:

@@ -120,9 +120,12 @@ class LRScaler:
         self._swapped = None   # [(group, unscaled, scaled)] while a step is running
         self._handles = [self._opt.register_step_pre_hook(self._before_step),
                          self._opt.register_step_post_hook(self._after_step)]
-        if self.estimator is not None and optimizer is not self._opt:
-            optimizer.gradient_observer = GradientNorms(   # a DistributedOptimizer
-                self.observe, lambda: self.steps % self.measure_every == 0)
+        self._norms = None
+        if self.estimator is not None:
+            self._norms = GradientNorms(self.observe,
+                                        lambda: self.steps % self.measure_every == 0)
+            if optimizer is not self._opt:          # a DistributedOptimizer
+                optimizer.gradient_observer = self._norms
         LRScaler._attached[self._opt] = self
 
     @property
@@ -160,6 +163,15 @@ class LRScaler:
         workers = int(self._size_fn()) if workers is None else int(workers)
         return self.estimator.observe(local_sq_sum, reduced_sq, workers, self.passes(),
                                       self.measure_every)
+
+    @property
+    def ddp_comm_hook(self):
+        """For DDP, which reduces the gradients itself: a comm hook that averages as DDP
+        does and measures the norms on the way; ``model.register_comm_hook(None,
+        scaler.ddp_comm_hook)``. With ``no_sync()`` accumulation, give ``accumulation=``."""
+        if self._norms is None:
+            raise ValueError(f"ddp_comm_hook is for rule='adascale', not {self.rule!r}")
+        return self._norms.comm_hook
 
     def drive(self, scheduler, every: float = 1.0):
         """Step ``scheduler`` (LambdaLR, CosineAnnealingLR, StepLR...) once per ``every``
@@ -216,6 +228,8 @@ class LRScaler:
 
     def _before_step(self, optimizer, args, kwargs):
         self._restore()   # a step that raised never ran _after_step
+        if self._norms is not None and self._norms.hooked:
+            self._norms.step_done()      # DDP reduced this step's gradients in backward
         factor = self.update()
         swapped = []
         for group in self._opt.param_groups:

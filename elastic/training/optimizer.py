@@ -422,7 +422,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     wire, bucket.ctxs[i] = self._compression.compress(grad)
                     view.copy_(wire.view(view.shape))
         if self.gradient_observer is not None:
-            self.gradient_observer.local(bucket.flat, bucket.index, len(self._buckets))
+            self.gradient_observer.local(bucket.flat, bucket.index, bucket.index + 1 == len(self._buckets))
         predivide = self._predivide if self._round else 1.0   # not standalone (round 0)
         bucket.handle, sent = launch_bucket(self._process_set, bucket.flat, self._op, predivide)
         self.wire_bytes += sent
