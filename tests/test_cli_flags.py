@@ -217,3 +217,40 @@ def test_a_bad_config_file_is_one_error_line(tmp_path, capsys, text, words):
 def test_a_missing_config_file_is_one_error_line(tmp_path, capsys):
     code, _, err = run(capsys, ["--config-file", str(tmp_path / "none.yaml"), "-np", "1", "true"])
     assert code == 2 and "none.yaml" in err and err.count("\n") == 1
+
+
+def test_driver_lines_carry_a_timestamp_unless_hidden():
+    shown = cli.log_format(cli.parse(["-np", "1", "true"]))
+    hidden = cli.log_format(cli.parse(["-np", "1", "--log-hide-timestamp", "true"]))
+    assert "%(asctime)s" in shown and "%(asctime)s" not in hidden
+    assert shown.startswith("elasticrun: ") and hidden == "elasticrun: %(message)s"
+
+
+@pytest.mark.parametrize("text, ranks", [("0", {0}), ("0,2-3", {0, 2, 3}), (" 1 , 4-4", {1, 4})])
+def test_output_ranks(text, ranks):
+    assert cli.output_ranks(text) == ranks
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0,,1"])
+def test_bad_output_ranks_are_one_error_line(capsys, text):
+    code, _, err = run(capsys, ["-np", "1", "--output-ranks", text, "--dry-run", "true"])
+    assert code == 2 and err.startswith("elasticrun: error: --output-ranks") and \
+        err.count("\n") == 1, err
+
+
+def test_the_stall_warning_time_decides_when_the_rule_warns():
+    now = 1000.0
+
+    def views():
+        stuck = stalls.StallView("3", stalls.Liveness(beat=1, beat_at=now, progress=(1, 1),
+                                                      progress_at=now - 3), {5})
+        peer = stalls.StallView("0", stalls.Liveness(
+            beat=1, beat_at=now, progress=(1, 1), progress_at=now,
+            waiting={"what": "allreduce", "round": 5, "seconds": 3, "on_peers": True}), {5})
+        return [stuck, peer]
+
+    assert stalls.find_stalls(views(), stall_timeout=100, now=now) == []     # warns at 50 s
+    args = cli.parse(["-np", "1", "--stall-timeout", "100",
+                      "--stall-check-warning-time-seconds", "2", "true"])
+    found = stalls.find_stalls(views(), cli.config_from_args(args).stall_timeout, now=now)
+    assert [(s.worker_id, s.action) for s in found] == [("3", "warn")]

@@ -171,3 +171,15 @@ def test_the_launch_snippet_runs(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     expected = re.search(r"print\(results\)\s+# (.+)$", snippet, re.M).group(1)
     assert run.stdout.strip().splitlines()[-1] == expected
+
+
+def test_the_demo_script_scales_the_lr_with_lrscaler_not_by_hand():
+    """The README says not to scale group["lr"] by hand; its demo does not either."""
+    import ast
+    tree = ast.parse((REPO / "examples" / "train_mlp.py").read_text())
+    by_hand = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               for target in node.targets if isinstance(target, ast.Subscript)
+               and isinstance(target.slice, ast.Constant) and target.slice.value == "lr"]
+    assert by_hand == []
+    assert any(isinstance(node, ast.Attribute) and node.attr == "LRScaler"
+               for node in ast.walk(tree))

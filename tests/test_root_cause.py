@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,23 @@ def test_without_an_error_file_the_root_cause_is_the_stderr_tail(tmp_path, capsy
     assert re.match(rf"root cause \(first of 2 failures\): worker 7 \(rank 3\) on node-2 failed "
                     rf"at {STAMP}: worker 7 on node-2 exited with code -9 \(SIGKILL\)$", lines[0])
     assert lines[1:] == ["  last lines of its stderr:"] + [f"    line {i}" for i in range(20, 30)]
+
+
+def test_the_error_file_is_written_only_where_its_directory_exists(tmp_path, monkeypatch):
+    from elastic import protocol
+    from elastic.worker import error_file
+    monkeypatch.setenv(protocol.ENV_WORKER_ID, "5")
+    try:
+        raise RuntimeError("disk on fire")
+    except RuntimeError as exc:
+        caught = (type(exc), exc, exc.__traceback__)
+    monkeypatch.setenv(protocol.ENV_ERROR_DIR, str(tmp_path / "not-on-this-host"))
+    assert error_file.write(*caught) is None
+    assert not (tmp_path / "not-on-this-host").exists()
+    monkeypatch.setenv(protocol.ENV_ERROR_DIR, str(tmp_path))
+    path = error_file.write(*caught)
+    assert path == str(tmp_path / "worker.5" / "error.json")
+    record = json.loads(Path(path).read_text())
+    assert record["worker"] == "5" and record["type"] == "RuntimeError"
+    assert record["traceback"].rstrip().endswith("RuntimeError: disk on fire")
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"

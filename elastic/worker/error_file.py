@@ -48,9 +48,14 @@ def record(kind, value, tb) -> dict:
 
 
 def write(kind, value, tb) -> str | None:
-    """Write the error file when the driver asked for one; its path, or None."""
+    """Write the error file when the driver asked for one; its path, or None.
+
+    Only where the directory exists: on the driver's machine, or on a filesystem
+    it shares. A remote host without it keeps nothing (the driver then shows the
+    worker's stderr tail instead)."""
     error_dir = os.environ.get(protocol.ENV_ERROR_DIR)
-    if not error_dir or issubclass(kind, (KeyboardInterrupt, SystemExit)):
+    if not error_dir or not os.path.isdir(error_dir) \
+            or issubclass(kind, (KeyboardInterrupt, SystemExit)):
         return None
     path = error_path(error_dir, os.environ.get(protocol.ENV_WORKER_ID, "solo"))
     try:
