@@ -64,16 +64,19 @@ def _registrations_at(port):
 
 
 @pytest.mark.slow
-def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job):
+def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job, tmp_path):
     """Also trust: while the driver is away, an impostor holds its port (replaying the
     real store's values, hello included, and forging others): every agent and worker
     ignores it; then the real driver comes back and adopts the job."""
-    job = join_job(["-np", "2", "--worker-timeout", "10"], env={"JOB_HOLD": "3,9"}).start()
+    events, state = tmp_path / "events.jsonl", tmp_path / "state"
+    job = join_job(["-np", "2", "--worker-timeout", "10", "--event-log", str(events),
+                    "--state-dir", str(state)], env={"JOB_HOLD": "3,9"}).start()
     job.join("node-a")
     job.join("node-b")
     job.wait_step(3, size=2)
     pids = set(job_workers(job.out))
     assert len(pids) == 2
+    assert json.loads((state / "driver-state.json").read_text())["next_worker"] == 2
     before = max(r["round"] for r in job.steps())
     spy = Outsider("127.0.0.1", job.port)
     recorded = {k: spy.get(k).hex() for k in spy.keys() if spy.get(k) is not None}
@@ -111,6 +114,11 @@ def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job):
         assert job.wait_agent(name) == 0, job.agent_output(name)
         assert job.agent_output(name).count("answers again;") == 1
     assert not any(alive(p) for p in pids)
+    # The event log of both drivers, appended; the state file follows the new rounds.
+    kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert kinds.count("round_started") == 2 and kinds.count("worker_adopted") == 2, kinds
+    assert json.loads((state / "driver-state.json").read_text())["round"] == max(after)
+    assert "took back round" in out
 
 
 @pytest.mark.slow

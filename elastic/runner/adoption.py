@@ -89,6 +89,7 @@ class Adoption:
         self.held = set()             # adopted and registered: released with the window
         self.count = 0
         self.pending = []             # handed over by the hub, host not discovered yet
+        self.floor = 0                # the newest round --state-dir remembers
 
     def take(self, backend, workers, job, now, hosts):
         """New records for the workers ``backend`` (the agent hub) hands over, once
@@ -134,7 +135,7 @@ class Adoption:
                 values = list(control.get_many(keys).values())
             except ControlError:
                 values = []
-            job = with_floor(job, round_floor(values, job.round_id), self.held)
+            job = with_floor(job, round_floor(values, max(job.round_id, self.floor)), self.held)
             ready |= self.held
             log.info("%d adopted worker(s) are back; the next round is %d", len(self.held),
                      job.round_id + 1)

@@ -137,6 +137,9 @@ def build_parser():
                    help="with --join: this host's name in the job (default: the hostname)")
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="with --join: how long to wait for the driver to listen (default 60)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="with --serve: keep what a restarted driver takes back here (blacklist, "
+                        "reset count, rounds); put it on a volume that outlives the pod")
     p.add_argument("--driver-grace", type=float, default=DEFAULT_DRIVER_GRACE_S, metavar="S",
                    help="with --join: how long this host's workers train on while the driver "
                         "is gone, waiting for it to come back at the same address "
@@ -171,8 +174,8 @@ def config_from_args(args):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     else:
-        if args.port is not None or args.secret_file:
-            raise UsageError("--port and --secret-file go with --serve or --join")
+        if args.port is not None or args.secret_file or args.state_dir:
+            raise UsageError("--port, --secret-file and --state-dir go with --serve or --join")
         _check_command(command)
     if args.np is None and args.min_np is None:
         raise UsageError("give -np (or --min-np)")
@@ -271,9 +274,18 @@ def config_from_args(args):
             args.checkpoint_dir)} if args.checkpoint_dir else {}),
             **({protocol.ENV_CHECKPOINT_UNUSABLE: args.on_unusable_checkpoint}
                if args.on_unusable_checkpoint else {})},
-        start_timeout=start_timeout, stragglers=straggler_rule,
+        start_timeout=start_timeout, stragglers=straggler_rule, state_dir=args.state_dir,
         **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
     )
+
+
+def no_checkpoint_warning(job_env, environ, serving):
+    """The one warning for a job without durable checkpoints (None when it has them)."""
+    if job_env.get(protocol.ENV_CHECKPOINT_DIR) or environ.get(protocol.ENV_CHECKPOINT_DIR):
+        return None
+    return ("no --checkpoint-dir: progress lives only in the workers' memory; losing every "
+            "worker" + ("" if serving else ", or this driver (outside joining mode),") +
+            " loses it (docs/checkpoints.md)")
 
 
 def output_ranks(text):
@@ -385,6 +397,9 @@ def main(argv=None):
                              ranks=output_ranks(args.output_ranks),
                              error_dir=config.extra_env[protocol.ENV_ERROR_DIR],
                              keep_error_files=bool(args.output_dir))
+    line = no_checkpoint_warning(config.extra_env, os.environ, serving=args.serve)
+    if line:
+        logging.getLogger("elasticrun").warning("%s", line)
     try:
         return run_job(config)
     finally:

@@ -50,6 +50,7 @@ from elastic.runner.hosts import HostManager
 from elastic.runner.policy import can_skip, decide
 from elastic.runner.records import Observed, WorkerRecord
 from elastic.runner.stalls import exit_poll_interval, heartbeat_interval, heartbeat_read_interval
+from elastic.runner.state_dir import StateDir, resume
 from elastic.runner.watch import Watch, WatchError
 
 log = logging.getLogger("elasticrun")
@@ -98,6 +99,7 @@ class JobConfig:
     stall_timeout: float = 600.0      # evict a rank its peers waited on this long
     preempted_hold: float = 60.0      # a preempted host that discovery keeps listing returns
     console: object = None            # console.Console (cli builds it from the output flags)
+    state_dir: str = None             # --serve --state-dir: what a restarted driver takes back
     metrics_port: int = None          # serve Prometheus metrics here (runner/metrics.py)
     tensorboard: str = None           # write TensorBoard scalars in this directory
     stragglers: object = None         # stragglers.StragglerRule (None: its defaults)
@@ -134,6 +136,8 @@ class Driver:
         self.quiet_ticks = 0
         self._unready = set()      # live workers whose registration has not been seen
         self.adoption = Adoption()  # a restarted serving driver adopts live workers
+        self.saved = StateDir(config.state_dir)    # ... and takes back what it kept there
+        self.job = resume(self.saved, self.job, self.hosts, self.adoption, self.started)
 
     def request_stop(self, signum):
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -182,6 +186,7 @@ class Driver:
                     self._settled_at = None if actions else now
                     for action in actions:
                         outcome = self._carry_out(action, now)
+                        self.saved.note(action, self.job, self.hosts, now)
                         if outcome is not None:
                             return outcome
                 self.reporter.poll(now)

@@ -146,6 +146,27 @@ class HostManager:
         self.version += 1
         return until
 
+    def export(self, now: float) -> dict:
+        """{host: {"failures", "left_s"}}: the blacklist as a restarted driver takes it
+        back (``left_s`` None: barred for good); runner/state_dir.py keeps it."""
+        return {h: {"failures": n, "left_s": None if math.isinf(self._until.get(h, -math.inf))
+                    else max(0.0, self._until.get(h, now) - now)}
+                for h, n in self._failures.items()}
+
+    def restore(self, saved: dict, now: float) -> None:
+        """Take back what ``export`` gave (bad entries are skipped)."""
+        for host, entry in saved.items():
+            try:
+                failures, left = int(entry["failures"]), entry["left_s"]
+                until = math.inf if left is None else now + float(left)
+            except (KeyError, TypeError, ValueError):
+                continue
+            self._remember((host,))
+            self._failures[host] = failures
+            if left is None or float(left) > 0:
+                self._until[host] = until
+        self.version += 1
+
     def failures(self, host: str) -> int:
         """How many times ``host`` has been blacklisted."""
         return self._failures.get(host, 0)

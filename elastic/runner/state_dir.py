@@ -1,0 +1,105 @@
+"""``elasticrun --serve --state-dir DIR``: what a restarted driver takes back.
+
+A serving driver may be restarted (a pod rescheduled, a node lost) while its
+agents keep the workers (runner/agent.py). Most of what it knew comes back from
+them (runner/adoption.py): the live workers, their hosts and the newest round.
+What only the driver knew is kept here, in one small JSON file replaced
+atomically (write, fsync, rename) whenever it changes:
+
+* the blacklist: each host's failure count and the cooldown left;
+* the reset count (``--reset-limit`` keeps counting across a restart);
+* the newest round published and the next worker id (also rebuilt from the
+  workers; the file covers workers that died while the driver was away).
+
+The event log (``--event-log``) is appended to, so it needs no copy here.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+
+from elastic.runner.decisions import HostFailed, Publish, Spawn
+
+log = logging.getLogger("elasticrun")
+FILE = "driver-state.json"
+
+
+def encode(job, hosts, now):
+    """The state a restarted driver needs, as a JSON-ready dict (pure)."""
+    return {"version": 1, "round": job.round_id, "next_worker": job.next_worker,
+            "resets": job.resets, "blacklist": hosts.export(now)}
+
+
+def decode(data):
+    """(round, next_worker, resets, blacklist) from ``encode``'s dict; zeros for what
+    is missing or malformed (a damaged file never stops the driver)."""
+    if not isinstance(data, dict):
+        return 0, 0, 0, {}
+
+    def number(name):
+        value = data.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+            else 0
+    blacklist = data.get("blacklist")
+    return (number("round"), number("next_worker"), number("resets"),
+            blacklist if isinstance(blacklist, dict) else {})
+
+
+def resume(saved, job, hosts, adoption, now):
+    """``job`` with what ``saved`` kept: the blacklist goes back into ``hosts``, the
+    newest round becomes ``adoption``'s floor (the next round comes after it)."""
+    floor, next_worker, resets, blacklist = saved.load()
+    hosts.restore(blacklist, now)
+    adoption.floor = max(adoption.floor, floor)
+    if floor or next_worker or resets or blacklist:
+        log.info("--state-dir: took back round %d, next worker id %d, %d resets, %d "
+                 "blacklisted host(s)", floor, next_worker, resets, len(blacklist))
+    return dataclasses.replace(job, next_worker=max(job.next_worker, next_worker),
+                               resets=max(job.resets, resets))
+
+
+class StateDir:
+    """The file under --state-dir (nothing at all without one)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self._written = None
+
+    @property
+    def path(self):
+        return os.path.join(self.directory, FILE) if self.directory else None
+
+    def load(self):
+        """What the previous driver of this job left; zeros when nothing."""
+        if not self.directory:
+            return decode(None)
+        try:
+            with open(self.path) as f:
+                return decode(json.load(f))
+        except FileNotFoundError:
+            return decode(None)
+        except (OSError, ValueError) as exc:
+            log.warning("--state-dir: cannot read %s (%s); starting without it", self.path, exc)
+            return decode(None)
+
+    def note(self, action, job, hosts, now):
+        """After an action: write the file if what it keeps changed."""
+        if not self.directory or not isinstance(action, (Publish, Spawn, HostFailed)):
+            return
+        data = encode(job, hosts, now)
+        key = json.dumps({k: v for k, v in data.items() if k != "blacklist"}
+                         | {"hosts": sorted(data["blacklist"])}, sort_keys=True)
+        if key == self._written and not isinstance(action, HostFailed):
+            return
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            self._written = key
+        except OSError as exc:
+            log.warning("--state-dir: cannot write %s: %s", self.path, exc)

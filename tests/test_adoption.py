@@ -1,0 +1,102 @@
+"""What a restarted serving driver takes back (issue 27): pure decisions, no processes."""
+
+import json
+
+from elastic.protocol import ENV_CHECKPOINT_DIR, Keys
+from elastic.runner.adoption import (
+    Adoption,
+    free_slots,
+    next_worker_after,
+    round_floor,
+    window_over,
+    with_floor,
+)
+from elastic.runner.cli import no_checkpoint_warning
+from elastic.runner.decisions import Job, Publish, Spawn
+from elastic.runner.hosts import HostManager
+from elastic.runner.state_dir import FILE, StateDir, decode, encode, resume
+
+
+def test_the_next_round_comes_after_every_round_a_worker_knows():
+    values = [{"round": 3, "latest": 4}, None, {"round": 2, "latest": True}, "junk",
+              {"round": 7.5}, {"beat": 9}]
+    assert round_floor(values) == 4
+    assert round_floor(values, floor=6) == 6
+    assert round_floor([]) == 0
+
+
+def test_worker_ids_never_collide_with_adopted_ones():
+    assert next_worker_after(0, ["3", "1", "x"]) == 4
+    assert next_worker_after(9, ["3"]) == 9
+    assert free_slots({0, 2}, 3) == [1, 3, 4]
+
+
+def test_with_floor_counts_the_adopted_as_holders_of_the_floor_round():
+    job = with_floor(Job(), 5, {"1", "0"})
+    assert job.round_id == 5 and list(job.rounds[5]) == ["0", "1"]
+    assert "0" in job.rounds[5] and job.admitted("1")
+    running = Job(round_id=2, members=({"worker_id": "0"},))
+    assert with_floor(running, 9, {"0"}) is running     # after its first round: untouched
+
+
+class _Store:
+    def __init__(self, values):
+        self.values = values
+
+    def get_many(self, keys):
+        return {k: self.values.get(k) for k in keys}
+
+
+def test_adopted_workers_wait_for_the_window_even_when_found_again():
+    adoption = Adoption(window_s=3.0)
+    adoption.first_at, adoption.waiting = 10.0, {"0", "1"}
+    workers = {"0": object(), "1": object(), "7": object()}
+    store = _Store({Keys.ready("0"): {"round": 4, "latest": 5}, Keys.heartbeat("1"): {"round": 4}})
+    ready, job = adoption.release({"0", "7"}, 11.0, Job(), store, workers)
+    assert ready == {"7"} and job.round_id == 0          # a new one is ready at once
+    ready, job = adoption.release({"0"}, 12.0, job, store, workers)   # a full look: still held
+    assert ready == set()
+    assert not window_over(adoption.first_at, 12.9, 3.0)
+    ready, job = adoption.release({"1"}, 13.0, job, store, workers)
+    assert ready == {"0", "1"} and job.round_id == 5     # the next round is 6: newer for all
+    gone = Adoption(window_s=0.0)
+    gone.first_at, gone.held = 0.0, {"5"}
+    assert gone.release(set(), 1.0, Job(), _Store({}), workers)[0] == set()   # exited meanwhile
+
+
+def test_state_dir_round_trip_and_a_damaged_file(tmp_path):
+    hosts = HostManager((10.0, 10.0))
+    hosts.update({"a": 1, "b": 1}, 0.0)
+    hosts.blacklist("a", 100.0)
+    job = Job(round_id=6, next_worker=9, resets=4)
+    data = encode(job, hosts, 104.0)
+    assert decode(json.loads(json.dumps(data)))[:3] == (6, 9, 4)
+    saved = StateDir(str(tmp_path))
+    saved.note(Spawn("8", "a", 0, {}), job, hosts, 104.0)
+    assert json.loads((tmp_path / FILE).read_text())["round"] == 6
+    assert not list(tmp_path.glob("*.tmp"))                # written by rename
+    again, fresh = HostManager((10.0, 10.0)), Adoption()
+    restored = resume(saved, Job(), again, fresh, 500.0)
+    assert (restored.next_worker, restored.resets, fresh.floor) == (9, 4, 6)
+    assert again.failures("a") == 1 and again.is_blacklisted("a", 505.0)
+    assert not again.is_blacklisted("a", 506.5)            # the 6 s of cooldown left
+    (tmp_path / FILE).write_text("{not json")
+    assert StateDir(str(tmp_path)).load() == (0, 0, 0, {})
+    assert decode({"round": -3, "next_worker": "x", "blacklist": []}) == (0, 0, 0, {})
+    StateDir(None).note(Publish(1, (), "start"), job, hosts, 0.0)   # no dir: nothing
+
+
+def test_a_blacklisted_for_good_host_stays_so():
+    hosts = HostManager(None)
+    hosts.blacklist("a", 1.0)
+    again = HostManager(None)
+    again.restore(hosts.export(2.0), 50.0)
+    assert again.is_blacklisted("a", 1e12) and again.failures("a") == 1
+
+
+def test_a_job_without_checkpoint_dir_is_warned_once():
+    line = no_checkpoint_warning({}, {}, serving=False)
+    assert "no --checkpoint-dir" in line and "outside joining mode" in line
+    assert "outside joining mode" not in no_checkpoint_warning({}, {}, serving=True)
+    assert no_checkpoint_warning({ENV_CHECKPOINT_DIR: "/c"}, {}, serving=False) is None
+    assert no_checkpoint_warning({}, {ENV_CHECKPOINT_DIR: "/c"}, serving=True) is None
