@@ -156,3 +156,19 @@ def test_losing_every_holder_resumes_from_the_newest_checkpoint(started, tmp_pat
         out[-3000:]
     resumed = min(r["step"] for r in job.steps() if r["round"] > 1)
     assert resumed > 10, resumed                # not from scratch
+
+
+def test_a_straggler_is_named_once_and_not_evicted(started, tmp_path):
+    job = run(started, tmp_path, ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1",
+                                  "--straggler-window", "4"],
+              {"JOB_SLOW_HOST": "127.0.0.2:0.4", "JOB_EPOCHS": "6"})
+    code = job.run()
+    out = job.output()
+    job.assert_ok(code, epochs=6, final_size=2)
+    found = re.findall(r"worker (\d+) on (\S+) is a straggler: ([\d.]+)x slower than its peers' "
+                       r"median over the last 4 s", out)
+    assert len(found) == 1 and found[0][1] == "127.0.0.2", out[-3000:]
+    assert float(found[0][2]) >= 2
+    assert "blacklisting" not in out and "evicted" not in out and "evicting" not in out
+    (event,) = [e for e in events(job) if e["event"] == "straggler"]
+    assert event["host"] == "127.0.0.2" and event["ratio"] >= 2
