@@ -160,7 +160,7 @@ class GradientNorms:
     def add_reduced(self, flat: torch.Tensor) -> None:
         """A bucket's reduced values (the mean over workers)."""
         if self._on:
-            self._reduced += float(_squared_norm(flat))
+            self._reduced = self._reduced + _squared_norm(flat)   # a tensor: no device sync
 
     def reduced(self, flats: list, op: str) -> None:
         """Every bucket is reduced; ``flats`` hold the results under ``op``."""
@@ -176,7 +176,7 @@ class GradientNorms:
         if pending is not None and pending[0] == round_id:
             _, total, wait, reduced_sq, workers = pending
             wait()
-            self._on_step(float(total), reduced_sq, workers)
+            self._on_step(float(total), float(reduced_sq), workers)   # ready long since
         launched, self._launched = self._launched, None
         reduced_sq, self._reduced = self._reduced, 0.0
         if launched is None or op not in (collectives.Average, collectives.Sum):
