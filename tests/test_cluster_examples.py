@@ -19,7 +19,8 @@ from elastic.runner import cli, serve
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (make install adds it)")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-POLICY = {"-np", "--min-np", "--max-np", "--blacklist-cooldown-range", "--checkpoint-dir"}
+POLICY = {"-np", "--min-np", "--max-np", "--blacklist-cooldown-range", "--checkpoint-dir",
+          "--state-dir"}
 
 
 def options(argv):
@@ -92,6 +93,13 @@ def test_kubernetes_manifests_run_the_tested_commands():
     assert args.port == port
     assert args.secret_file.startswith(_secret_path(pod, container, "elastic-job-secret") + "/")
     assert pod["terminationGracePeriodSeconds"] > args.stop_timeout
+    # A lost driver is started again behind the same Service, and its --state-dir is on a
+    # volume that outlives the pod (tests/test_driver_restart.py runs that restart).
+    assert pod["restartPolicy"] == "OnFailure" and driver["spec"]["backoffLimit"] >= 3
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == args.state_dir)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in docs
 
     pod = _pod(workers)
     container = pod["containers"][0]
