@@ -16,6 +16,8 @@ Sections (worker scripts in this folder):
   growth    dp_worker.py growth at 4 and 8 workers
   ops       ops_bench.py: elastic.torch ops (with their pre-op check) vs unchecked collectives
   adascale  adascale_bench.py: LRScaler(rule="adascale") vs the linear rule, step time
+  ddp       ddp_bench.py: elastic.DDP under elasticrun vs the same script under torchrun;
+            a DDP job's change pause vs DistributedOptimizer's
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
@@ -698,6 +700,15 @@ def table():
     return "\n".join(lines)
 
 
+@section("ddp")
+def bench_ddp():
+    import ddp_bench
+    got, notes = ddp_bench.rows(quick=QUICK)
+    for r in got:
+        row(*r)
+    NOTES.extend(notes)
+
+
 def main():
     import torch
     only = set(filter(None, os.environ.get("BENCH_ONLY", "").split(",")))
@@ -705,7 +716,8 @@ def main():
                      ("syncwide", bench_sync_wide),
                      ("recovery", bench_recovery), ("restart", bench_restart),
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
-                     ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale)):
+                     ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale),
+                     ("ddp", bench_ddp)):
         if not only or name in only:
             fn()
     recovery_rows()
