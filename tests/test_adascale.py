@@ -360,13 +360,15 @@ def test_elastic_run_reaches_the_target_like_one_worker(elastic_job, single_work
 @slow
 def test_ddp_with_accumulation(tmp_path):
     """Two workers reducing through elastic.DDP and the scaler's comm hook, two backward
-    passes per step (no_sync): S = 4, and the gains follow from the norms as above."""
+    passes per step (no_sync): S = 4, and the gains follow from the norms as above.
+    (The workload runs a DistributedOptimizer with backward_passes_per_step=k the
+    same way with ADA_DDP=0; one job here keeps the suite short.)"""
     job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"], script=WORKLOAD,
-              env={"ADA_DDP": "1", "ADA_PASSES": "2", "ADA_TOTAL": "60"})
+              env={"ADA_DDP": "1", "ADA_PASSES": "2", "ADA_TOTAL": "30"})
     assert job.run() == 0, job.output()[-4000:]
     steps = by_step(job)
     assert all(len(ranks) == 2 for ranks in steps)
     est = check_gains_and_progress(steps, passes=2)
-    assert est.observations == len(steps) - 1 and len(steps) < 40
+    assert est.observations == len(steps) - 1 and len(steps) < 20
     assert 1.5 < steps[-1][0]["gain"] < 4.0
     assert steps[-1][0]["loss"] < 0.2 * steps[0][0]["loss"]
