@@ -35,6 +35,7 @@ class Job:
                          "--discovery-interval", "0.3"] + self.args
         self.env = dict(os.environ, JOB_OUT=str(self.out), OMP_NUM_THREADS="1",
                         PYTHONPATH=str(REPO), **(env or {}))
+        self.env.setdefault("ELASTIC_JOBS_DIR", str(self.dir / "jobs"))   # elasticctl's, not ~'s
         self.script = script
         self.script_args = [str(a) for a in script_args]
         self.proc = None

@@ -251,8 +251,17 @@ def test_watch_and_steer_a_real_job(tmp_path, monkeypatch, capsys):
     status = status_of(job, monkeypatch, capsys)
     assert status["hosts"]["drained"] == ["127.0.0.1"] and status["hosts"]["blacklisted"] == []
     assert [m["host"] for m in status["members"]] == ["localhost"]
-    assert ctl(job, "stop").stdout.startswith("stopping")
-    assert job.finish(timeout=120) == 128 + signal.SIGTERM, job.output()[-3000:]
+    watcher = subprocess.Popen([sys.executable, "-m", "elastic.ctl", "top", "--interval", "0.2"],
+                               env=job.env, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert ctl(job, "stop").stdout.startswith("stopping")
+        assert job.finish(timeout=120) == 128 + signal.SIGTERM, job.output()[-3000:]
+        seen, errors = watcher.communicate(timeout=120)     # top sees the job end, and says so
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0 and "it has ended" in seen.splitlines()[-1], (seen[-500:], errors)
+    assert errors == "", errors                              # no C++ warning from the store client
     out = job.output()
     assert "stopped by signal 15: every worker stopped" in out, out[-3000:]
     assert "blacklisting" not in out

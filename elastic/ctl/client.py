@@ -1,8 +1,11 @@
 """elasticctl's end of the control store: find the job, send a sealed request, read
 the sealed answer (runner/steering.py is the driver's end)."""
 
+import contextlib
 import os
 import secrets
+import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -16,6 +19,21 @@ POLL_S = 0.05
 
 class CtlError(ElasticError):
     """elasticctl cannot do what was asked; str() is the one line it prints."""
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """torch's store client writes a C++ warning with a stack to fd 2 when it cannot
+    connect or the job's store goes away; elasticctl says so in one line of its own."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 @dataclass(frozen=True)
@@ -75,32 +93,40 @@ class Client:
 
     def __init__(self, target, timeout=10.0):
         self.target, self.timeout = target, timeout
+        where = f"{target.address}:{target.port}"
+        try:                         # a plain connect first: a refusal is told at once
+            socket.create_connection((target.address, target.port), timeout=timeout).close()
+        except OSError as exc:
+            raise CtlError(f"cannot reach the job's control store at {where} "
+                           f"({exc.strerror or 'timed out'}; has the job ended?)") from None
         try:
-            store = connect(target.address, target.port, timeout)
+            with quiet_stderr():
+                store = connect(target.address, target.port, timeout)
         except (RuntimeError, OSError) as exc:
-            raise CtlError(f"cannot reach the job's control store at {target.address}:"
-                           f"{target.port} ({' '.join(str(exc).split())[:160]})") from None
+            raise CtlError(f"cannot reach the job's control store at {where} "
+                           f"({' '.join(str(exc).split())[:160]})") from None
         self.control = ControlStore(store, target.secret, warn=lambda message: None)
         if self._get(Keys.CTL_HELLO) is None:
             raise CtlError(f"no elasticrun job with this secret answers at {target.address}:"
                            f"{target.port} (wrong secret, or not an elasticrun control store)")
 
-    def _get(self, key):
+    def _store(self, call, *args):
         try:
-            return self.control.get(key)
+            with quiet_stderr():
+                return call(*args)
         except (RuntimeError, OSError):
             raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
+
+    def _get(self, key):
+        return self._store(self.control.get, key)
 
     def request(self, op, **args):
         """The driver's answer to one request; CtlError when it refuses or is gone."""
         name = secrets.token_hex(12)
         key, reply_key = Keys.ctl_request(name), Keys.ctl_reply(name)
         bell = Doorbell(self.control, Keys.CTL_INBOX)
-        try:
-            self.control.put(key, dict(args, op=op))
-            bell.ring(name)
-        except (RuntimeError, OSError):
-            raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
+        self._store(self.control.put, key, dict(args, op=op))
+        self._store(bell.ring, name)
         started = rung = time.monotonic()
         while True:
             reply = self._get(reply_key)
@@ -112,15 +138,10 @@ class Client:
                                f"{self.timeout:g} s")
             if now - rung >= RERING_S:
                 rung = now
-                try:
-                    bell.ring(name)
-                except (RuntimeError, OSError):
-                    raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
+                self._store(bell.ring, name)
             time.sleep(POLL_S)
-        try:
-            self.control.delete(reply_key)
-        except (RuntimeError, OSError):
-            pass
+        with contextlib.suppress(CtlError):
+            self._store(self.control.delete, reply_key)
         if not reply.get("ok"):
             raise CtlError(str(reply.get("error") or "the driver refused"))
         return reply
