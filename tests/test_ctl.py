@@ -241,13 +241,13 @@ def test_watch_and_steer_a_real_job(tmp_path, monkeypatch, capsys):
     # -- steering: resize down and up, drain, stop -----------------------------------------
     code, out, err = ctl_here(job, monkeypatch, capsys, "resize", "--max-np", "1")
     assert code == 0 and "--max-np is now 1" in out, err
-    wait_until(lambda: rounds(events) == [2, 1], "a round of 1 worker", 120)
+    job.wait_for(lambda: rounds(events) == [2, 1], "a round of 1 worker", 120)
     code, out, err = ctl_here(job, monkeypatch, capsys, "resize", "--max-np", "2")
     assert code == 0, err
-    wait_until(lambda: rounds(events) == [2, 1, 2], "a round of 2 workers again", 120)
+    job.wait_for(lambda: rounds(events) == [2, 1, 2], "a round of 2 workers again", 120)
     code, out, err = ctl_here(job, monkeypatch, capsys, "drain", "127.0.0.1")
     assert code == 0 and "draining 127.0.0.1" in out, err
-    wait_until(lambda: rounds(events) == [2, 1, 2, 1], "the drained host's worker to go", 120)
+    job.wait_for(lambda: rounds(events) == [2, 1, 2, 1], "the drained host's worker to go", 120)
     status = status_of(job, monkeypatch, capsys)
     assert status["hosts"]["drained"] == ["127.0.0.1"] and status["hosts"]["blacklisted"] == []
     assert [m["host"] for m in status["members"]] == ["localhost"]

@@ -387,6 +387,19 @@ def test_a_lower_max_np_publishes_a_smaller_round_and_a_higher_one_spawns_again(
     assert publish.round_id == 3 and len(publish.members) == 3
 
 
+def test_a_worker_a_round_left_out_is_not_planned_again_while_it_leaves():
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1))
+    world.running()
+    world.limits = dataclasses.replace(world.limits, max_np=1)
+    (publish,) = world.tick(2.0)                       # worker 1 (on b) is left out: it leaves
+    assert [m["worker_id"] for m in publish.members] == ["0"]
+    world.limits = dataclasses.replace(world.limits, max_np=2)
+    assert world.tick(3.0) == []                       # not taken back while its process lives
+    world.exit("1", 0)
+    actions = world.tick(4.0)
+    assert kinds(actions) == ["Removed", "Spawn"] and actions[1].host == "b"
+
+
 # -- the final round --------------------------------------------------------------------------
 
 def test_the_final_round_finishes_when_all_its_workers_exit_0():

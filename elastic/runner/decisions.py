@@ -93,6 +93,12 @@ class Job:
         """Whether ``worker_id`` is a member of a round the bookkeeping keeps."""
         return any(worker_id in ids for ids in self.rounds.values())
 
+    def left_out(self, worker_id) -> bool:
+        """Admitted to a kept round but not a member of the current one: it exits once it
+        reads the newer plan, so it is never planned again (a shrink, then a regrow before
+        its process ended, would otherwise take back a worker that is leaving)."""
+        return worker_id not in self.member_set and self.admitted(worker_id)
+
 
 # -- facts ------------------------------------------------------------------------------------
 

@@ -397,9 +397,10 @@ class _Tick:
         job = self.job
         if unchanged:
             return                  # the plan would be the current round again
-        # WorkerViews plan as Candidates do (worker_id, host, slot), without a copy each.
-        candidates = [w for w in self.workers.values()
-                      if w.ready and not w.stopped and 0 <= w.slot < slots.get(w.host, 0)]
+        # WorkerViews plan as Candidates do (worker_id, host, slot), without a copy each;
+        # a worker a newer round left out is leaving, and is not planned again.
+        candidates = [w for w in self.workers.values() if w.ready and not w.stopped
+                      and 0 <= w.slot < slots.get(w.host, 0) and not job.left_out(w.worker_id)]
         target = plan_round(candidates, list(job.host_order), limits.max_np)
         if job.phase is Phase.STARTING:
             if n_wanted < limits.min_np:
