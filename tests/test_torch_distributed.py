@@ -131,21 +131,19 @@ def test_blocked_user_collectives_raise_when_the_round_is_aborted(tmp_path):
     backward at once, each as an error @elastic.run counts as a departure."""
     out = tmp_path / "marks"
     out.mkdir()
-    with Workers(REPO / "tests" / "workloads" / "hung_peer.py", 3, tmp_path,
+    with Workers(REPO / "tests" / "workloads" / "hung_peer.py", 2, tmp_path,
                  extra_env={"HUNG_OUT": str(out), "ELASTIC_COLLECTIVE_TIMEOUT": "600"},
                  timeout=240) as w:
-        w.wait_for(lambda: all((out / name).exists()
-                               for name in ("stopping", "blocking.0", "blocking.1")),
-                   "rank 2 to stop and ranks 0 and 1 to block on it")
+        w.wait_for(lambda: (out / "stopping").exists() and (out / "blocking.0").exists(),
+                   "rank 1 to stop and rank 0 to block on it")
         w.abort(1)
         deadline = time.monotonic() + 120
-        while any(p.poll() is None for p in w.procs[:2]) and time.monotonic() < deadline:
+        while w.procs[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         w.kill()
-        results = [json.loads(line) for wid in w.ids[:2]
-                   for line in (tmp_path / f"{wid}.out").read_text().splitlines()
-                   if line.startswith("{")]
-    assert len(results) == 2, w.logs()
-    for r in results:
-        assert r["all_reduce"] == "WorkersDepartedError explained=False", r  # ours: caught as is
-        assert r["ddp_backward"].endswith("explained=True"), r
+        lines = [line for line in (tmp_path / "w0.out").read_text().splitlines()
+                 if line.startswith("{")]
+    assert lines, w.logs()
+    result = json.loads(lines[-1])
+    assert result["all_reduce"] == "WorkersDepartedError explained=False", result  # caught as is
+    assert result["ddp_backward"].endswith("explained=True"), result

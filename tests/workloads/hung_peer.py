@@ -1,5 +1,5 @@
-"""Worker for tests/test_torch_distributed.py: rank 2 stops (SIGSTOP: alive, its
-connections open, so gloo never sees it go) and ranks 0 and 1 then block on it in a
+"""Worker for tests/test_torch_distributed.py: the last rank stops (SIGSTOP: alive, its
+connections open, so gloo never sees it go) and the others then block on it in a
 user's dist.all_reduce and in elastic.DDP's backward. The test aborts the round, as
 the driver does; each blocked call must raise instead of waiting for the group timeout.
 Prints one JSON line per surviving rank."""
@@ -33,7 +33,7 @@ def main():
     model = elastic.DDP(torch.nn.Linear(4, 1))
     for _ in range(2):      # DDP built and its buckets rebuilt (a collective) by all
         model(torch.randn(2, 4)).sum().backward()
-    if rank == 2:
+    if rank == elastic.size() - 1:
         open(os.path.join(OUT, "stopping"), "w").close()
         os.kill(os.getpid(), signal.SIGSTOP)
     open(os.path.join(OUT, f"blocking.{rank}"), "w").close()
