@@ -163,6 +163,6 @@ def test_a_backend_this_machine_lacks_fails_the_job_once_with_one_line(tmp_path)
     out = job.output()
     assert code != 0, out
     line = "elastic: error: ELASTIC_BACKEND=nccl but this torch build sees no CUDA device"
-    assert sum(1 for x in out.splitlines() if line in x) == 2, out     # once per worker
+    assert sum(1 for x in out.splitlines() if "<stderr>:" in x and line in x) == 2, out  # once per worker
     assert "Traceback" not in out, out
     assert "restoring the last commit" not in out and not job.steps(), out   # no retry
