@@ -18,6 +18,7 @@ from join_cluster import ELASTICRUN, JoinJob, wait_until
 from procs import job_workers
 
 from elastic import protocol
+from elastic.checkpoint.format import list_checkpoints
 
 WORKER_LINE = re.compile(r"^\[\d+\]<stdout>:worker \d+ finished as rank \d+ of \d+$", re.M)
 
@@ -99,7 +100,11 @@ def test_a_sigkilled_agent_is_a_lost_host_and_its_worker_dies(join_job):
 
 @pytest.mark.slow
 def test_wrong_secret_is_refused_and_a_killed_driver_leaves_no_orphan(join_job, tmp_path):
-    job = join_job(["-np", "2", "--worker-timeout", "10"], env={"JOB_HOLD": "3"}).start()
+    """Also: no driver back within --driver-grace, the workers stop as on a SIGTERM
+    (every one at the same commit, written as the final checkpoint) (issue 27)."""
+    ckpt = tmp_path / "ckpt"
+    job = join_job(["-np", "2", "--worker-timeout", "10", "--checkpoint-dir", str(ckpt)],
+                   env={"JOB_HOLD": "3"}).start()
     job.join("node-a", extra=["--driver-grace", "2"])    # no driver back within 2 s
     job.join("node-b", extra=["--driver-grace", "2"])
     job.wait_step(3, size=2)
@@ -125,12 +130,18 @@ def test_wrong_secret_is_refused_and_a_killed_driver_leaves_no_orphan(join_job, 
     assert len(job_workers(job.out)) == 2
     job.proc.send_signal(signal.SIGKILL)
     job.proc.wait()
+    left_at = set()
     for name in ("node-a", "node-b"):
         assert job.wait_agent(name, timeout=60) != 0
-        own = [line for line in job.agent_output(name).splitlines()
-               if line.startswith("elasticrun:")]
-        assert "lost contact with the driver" in own[-1], own
+        text = job.agent_output(name)
+        own = [line for line in text.splitlines() if line.startswith("elasticrun: error:")]
+        assert len(own) == 1 and "lost contact with the driver" in own[0], own
+        assert "no driver came back within --driver-grace 2 s" in own[0], own
+        assert "Traceback" not in text
+        left_at |= {int(n) for n in re.findall(r"left the job at commit (\d+)", text)}
     wait_until(lambda: not job_workers(job.out), "every worker to be gone", timeout=30)
+    assert len(left_at) == 1, left_at            # a graceful stop: one commit for all
+    assert list_checkpoints(str(ckpt))[-1][0] == left_at.pop()
 
 
 def _agent(job, secret_file, name):

@@ -97,8 +97,11 @@ class Adoption:
         worker id past theirs. Before that the policy would stop them as unwanted."""
         self.pending += backend.take_adopted() if hasattr(backend, "take_adopted") else []
         records, by_host, later = [], {}, []
+        ended = [wid for wid, _, handle in self.pending if handle is None]
+        if ended:      # workers that exited while the driver was away: their ids stay used
+            job = dataclasses.replace(job, next_worker=next_worker_after(job.next_worker, ended))
         for wid, host, handle in self.pending:
-            if wid in workers or handle.poll() is not None:
+            if handle is None or wid in workers or handle.poll() is not None:
                 continue
             if host not in hosts:
                 later.append((wid, host, handle))

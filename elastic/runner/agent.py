@@ -149,6 +149,7 @@ class Agent:
         self.draining = False
         self.drain_deadline = None
         self.heard_at = time.monotonic()   # the driver's last sealed ack of a beat
+        self.ended = []                    # ids of this agent's workers that exited
         self.acked_beat = 0
         self._signals = []
 
@@ -324,7 +325,7 @@ class Agent:
         workers = {wid: w.popen.pid for wid, w in self.workers.items()}
         control.put(AgentKeys.info(self.index), {
             "host": self.cfg.host_name, "slots": self.cfg.slots, "pid": os.getpid(),
-            "workers": workers, "nonce": nonce}, keep=True)
+            "workers": workers, "ended": self.ended, "nonce": nonce}, keep=True)
         deadline = time.monotonic() + ANSWER_WAIT_S
         while time.monotonic() < deadline:
             answer = self._verified(AgentKeys.accepted(self.index), control)
@@ -418,6 +419,7 @@ class Agent:
             if code is not None:
                 worker.join_output()
                 del self.workers[worker_id]
+                self.ended = (self.ended + [worker_id])[-1000:]   # ids a new driver must not reuse
                 self.outbox.exited(worker_id, code)
 
     def _report(self):

@@ -239,6 +239,9 @@ class AgentHub(Discovery):
             for wid in sorted((w for w in workers if str(w).isdigit()), key=int)[:slots]:
                 handle = agent.workers[wid] = AgentWorker(self, agent, wid)
                 self._adopted.append((wid, host, handle))
+            ended = info.get("ended")           # ids no new worker may take (None: no handle)
+            self._adopted += [(str(w), host, None) for w in ended[:1000]
+                              if str(w).isdigit()] if isinstance(ended, list) else []
         self.control.put(AgentKeys.accepted(name), answer, keep=True)
         log.info("agent %s: %s with %d slot%s%s", "joined" if workers is None else "is back",
                  host, slots, "s" if slots != 1 else "",

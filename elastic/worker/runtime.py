@@ -363,9 +363,11 @@ class Worker:
         self.retired_groups.retire(self.cpu_group, self.device_group)
         self.cpu_group = self.device_group = None
         if self._round_store is not None:
-            # The round is over: its rendezvous values would stay in the store forever.
+            # The round is over: its rendezvous values would stay in the store forever
+            # (a driver that is away takes its store along: nothing to delete, no wait).
             try:
-                self._round_store.delete_mine()
+                if not self.contact.away:
+                    self._round_store.delete_mine()
             except Exception:  # noqa: BLE001 - the driver also drops old rounds' keys
                 pass
             self._round_store = None
