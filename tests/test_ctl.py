@@ -251,6 +251,11 @@ def test_watch_and_steer_a_real_job(tmp_path, monkeypatch, capsys):
     status = status_of(job, monkeypatch, capsys)
     assert status["hosts"]["drained"] == ["127.0.0.1"] and status["hosts"]["blacklisted"] == []
     assert [m["host"] for m in status["members"]] == ["localhost"]
+    for argv, words in ((["drain", "localhost"], "would leave 0 slots, fewer than --min-np 1"),
+                        (["drain", "nohost"], "'nohost' is not one of the job's hosts"),
+                        (["resize", "--max-np", "0"], "whole number of at least 1")):
+        code, out, err = ctl_here(job, monkeypatch, capsys, *argv)
+        assert code == 1 and err.count("\n") == 1 and words in err, (argv, err)
     watcher = subprocess.Popen([sys.executable, "-m", "elastic.ctl", "top", "--interval", "0.2"],
                                env=job.env, cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)

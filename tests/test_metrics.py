@@ -44,10 +44,11 @@ def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path)
     def settled():
         m = scrape(port)
         ready = m.get(("elastic_checkpoint_bytes", ())) and m.get(("elastic_pauses_total", ())) \
-            and m.get(("elastic_commit_seconds", ())) and m.get(("elastic_sync_seconds", ()))
+            and m.get(("elastic_commit_seconds", ())) and m.get(("elastic_sync_seconds", ())) \
+            and m.get(("elastic_commits_per_second", ()))    # rank 0 commits while it holds
         return m if ready else None
 
-    m = wait_until(settled, "a checkpoint, a measured pause and commit times to show", 120)
+    m = wait_until(settled, "a checkpoint, a measured pause, commit times and rate to show", 120)
     assert m[("elastic_world_size", ())] == 1
     assert m[("elastic_rounds_total", ())] == 2
     assert m[("elastic_failures_total", ())] == 1
