@@ -3,6 +3,7 @@
 from elastic.checkpoint.checkpointer import Checkpointer
 from elastic.exceptions import ElasticError, HostsUpdatedInterrupt, WorkersDepartedError
 from elastic.launching.client import LaunchError, launch
+from elastic.state.sharded import ShardedState
 from elastic.state.states import ObjectState, State, TorchState
 from elastic.training.ddp import DDP, DistributedDataParallel
 from elastic.training.global_batch import GlobalBatch, MicroBatch
@@ -49,7 +50,7 @@ __all__ = [
     "broadcast_optimizer_state", "broadcast_parameters", "ElasticError", "HostsUpdatedInterrupt",
     "WorkersDepartedError", "run", "cross_rank", "cross_size", "init", "is_initialized",
     "local_rank", "local_size", "rank", "shutdown", "size", "ElasticSampler", "ObjectState",
-    "State", "TorchState", "report_progress", "Compression", "DistributedOptimizer",
+    "State", "TorchState", "ShardedState", "report_progress", "Compression", "DistributedOptimizer",
     "LRScaler", "GlobalBatch", "MicroBatch", "Checkpointer", "launch", "LaunchError",
     "DistributedDataParallel", "DDP",
 ]

@@ -148,9 +148,9 @@ class RoundGroup(dist.ProcessGroup):
         self._cpu = self._device = None
 
 
-def _forward(name):
+def _forward(name, backend_name=None):
     def collective(self, *args, **kwargs):
-        work = getattr(self._backend_for(args), name)(*args, **kwargs)
+        work = getattr(self._backend_for(args), backend_name or name)(*args, **kwargs)
         self.worker.progress.issue()
         return RoundWork(work, self, name)
 
@@ -160,6 +160,11 @@ def _forward(name):
 
 for _name in COLLECTIVES:
     setattr(RoundGroup, _name, _forward(_name))
+# dist.all_gather_single / reduce_scatter_single (FSDP2's collectives) call these names,
+# which a backend knows by its older ones: forwarded here, their waits are sliced too.
+for _name, _backend_name in (("all_gather_single", "_allgather_base"),
+                             ("reduce_scatter_single", "_reduce_scatter_base")):
+    setattr(RoundGroup, _name, _forward(_name, _backend_name))
 
 
 _current: RoundGroup | None = None

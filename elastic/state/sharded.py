@@ -1,0 +1,279 @@
+"""ShardedState: FSDP2 training state that each rank holds a shard of, resharded live.
+
+Each rank commits only its shard (one flat buffer per dtype, host memory) and a
+copy of ``redundancy`` other ranks' shards (its predecessors on a ring), so a
+SIGKILL of up to ``redundancy`` workers loses nothing: the survivors hold every
+shard between them. After any membership change the model is built again on
+the new round's mesh by the user's ``build(mesh)`` and the last whole commit is
+redistributed to the new shard layout (shard_plan.plan): rows a rank already
+holds are copied locally, the rest move point-to-point once (reshard.py); a
+newcomer receives only its shard and its copies. No process restarts.
+
+A commit is kept in two phases: the new shard and copies are made, then the
+commit's closing collective runs, and only then does the new commit replace the
+old one. A rank whose closing collective failed still holds both, so the
+survivors always agree on a commit that is whole (shard_plan.choose_version).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from elastic.exceptions import ElasticError
+from elastic.state import handlers, reshard, shard_plan
+from elastic.state.states import State
+from elastic.worker import collectives, runtime, torch_world
+from elastic.worker.waiting import run_blocking
+
+log = logging.getLogger(__name__)
+
+ENV_REDUNDANCY = "ELASTIC_SHARD_REDUNDANCY"
+
+
+@dataclass
+class Generation:
+    """One commit as this rank holds it: its shard and copies, for a world of ``n``."""
+
+    version: int
+    n: int
+    meta: list
+    rest: bytes                      # the replicated part, pickled
+    shards: dict = field(default_factory=dict)    # shard index -> {dtype: flat}
+    whole: bool = False              # own shard and every copy landed
+
+    def nbytes(self):
+        return sum(f.numel() * f.element_size() for s in self.shards.values()
+                   for f in s.values())
+
+
+def _dumps(tree):
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    return buf.getvalue()
+
+
+def _loads(data):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class ShardedState(State):
+    """``ShardedState(build, redundancy=1, **objects)``: an FSDP2 model, its optimizer
+    and picklable objects (samplers, counters), committed shard by shard.
+
+    ``build(mesh)`` returns ``(model, optimizer)``: the model ``fully_shard``-ed on
+    ``mesh`` (a 1-D DeviceMesh over the round's group) and its optimizer. It is
+    called at the first sync and after every membership change; use
+    ``state.model`` and ``state.optimizer`` in the training loop, never objects
+    kept from an earlier round. Models built alike on every rank (same seed) start
+    equal; after that every rank's shard comes from the last commit.
+    """
+
+    def __init__(self, build, redundancy=None, **kwargs):
+        super().__init__()
+        self._build = build
+        degree = os.environ.get(ENV_REDUNDANCY, "1") if redundancy is None else redundancy
+        self.redundancy = int(degree)
+        if self.redundancy < 0:
+            raise ValueError(f"redundancy must be >= 0, not {redundancy!r}")
+        self._object_names = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self.model = None
+        self.optimizer = None
+        self._built_for = None       # the round group the model was built on
+        self._gens = []              # at most two Generations, oldest first
+        self.stats = {"reshard_received": 0, "reshard_sent": 0, "copies_sent": 0,
+                      "reshard_s": 0.0, "resumed_from": None, "builds": 0}
+
+    # -- what a commit holds --------------------------------------------------------
+    def _objects(self):
+        out = {}
+        for name in self._object_names:
+            obj = getattr(self, name)
+            h = handlers.handler_for(obj)
+            out[name] = ("state_dict", h.capture(obj)) if isinstance(h, handlers.Handler) \
+                else ("value", obj)
+        return out
+
+    def _load_objects(self, objects):
+        for name, (kind, value) in objects.items():
+            live = getattr(self, name, None)
+            h = handlers.handler_for(live) if live is not None else None
+            if kind == "state_dict" and isinstance(h, handlers.Handler):
+                h.apply(live, value)
+            else:
+                setattr(self, name, value)
+
+    def held_bytes(self):
+        """Host bytes of the commits this rank holds (own shard and copies)."""
+        return sum(g.nbytes() for g in self._gens)
+
+    @property
+    def generations(self):
+        return list(self._gens)
+
+    # -- commit -------------------------------------------------------------------------
+    def commit(self):
+        started = time.perf_counter()
+        gen = self._save(max(self._version, 0) + 1)
+        w = runtime.worker()
+        if w is not None:
+            flags = torch.tensor(w.commit_flags(), dtype=torch.int32)
+            collectives.allreduce_(flags, collectives.Max)
+        self._promote(gen)
+        if w is not None:
+            w.progress.committed()
+            w.progress.holds = self._version
+            w.progress.timed("commit", time.perf_counter() - started)
+            w.act_on_commit_flags(flags.tolist(), self._version)
+
+    def save(self):
+        """Commit the live state again as the current version (no collective check)."""
+        self._promote(self._save(max(self._version, 0)))
+
+    def _save(self, version):
+        """A Generation of the live state: own shard copied, copies exchanged."""
+        meta, sharded, rest = _parts().split_live(self.model, self.optimizer)
+        me, n = _rank_size()
+        gen = Generation(version, n, meta, _dumps({"parts": rest, "objects": self._objects(),
+                                                   "meta": meta, "n": n}))
+        # Until the new commit is whole, the older whole ones stay (a peer may die now).
+        self._gens = [g for g in self._gens if g.whole][-2:] + [gen]
+        own = reshard.empty_shard(meta, n, me)
+        views = reshard.shard_views(meta, n, me, own)
+        for key, t in sharded.items():
+            views[key].copy_(t)
+        gen.shards[me] = own
+        w = runtime.worker()
+        if w is not None and n > 1 and self.redundancy:
+            kept, sent = run_blocking(
+                lambda: reshard.exchange_copies(w.cpu_group, me, n, self.redundancy, meta, own),
+                "shard copies", w)
+            gen.shards.update(kept)
+            self.stats["copies_sent"] += sent
+        gen.whole = True
+        return gen
+
+    def _promote(self, gen):
+        self._gens = [gen]
+        self._version = gen.version
+
+    # -- restore / sync -------------------------------------------------------------------
+    def restore(self):
+        """Nothing to do here: the next sync builds the model again from the last commit."""
+
+    def on_reset(self):
+        for name in self._object_names:
+            obj = getattr(self, name)
+            h = handlers.handler_for(obj)
+            if isinstance(h, handlers.Handler):
+                h.reset(obj)
+        for callback in self._reset_callbacks:
+            callback()
+
+    def sync(self):
+        started = time.perf_counter()
+        self.sync_stats["syncs"] += 1
+        me, n = _rank_size()
+        self._rebuild()
+        mine = [(g.version, g.n, sorted(g.shards)) for g in self._gens if g.whole]
+        holdings = collectives.allgather_object(mine) if runtime.worker() else [mine]
+        chosen = shard_plan.choose_version(holdings)
+        if chosen is None:
+            self._promote(self._save(0))       # a fresh job: the models as built
+            return self._after(started)
+        version, old_n = chosen
+        root = min(r for r, held in enumerate(holdings) for v, k, _s in held
+                   if (v, k) == chosen)
+        gen = next((g for g in self._gens if (g.version, g.n) == chosen), None)
+        rest = collectives.broadcast_object(gen.rest if me == root else None, root) \
+            if runtime.worker() else gen.rest
+        tree = _loads(rest)
+        meta = tree["meta"]
+        holders = {}
+        for r, held in enumerate(holdings):
+            for v, k, shards in held:
+                if (v, k) == chosen:
+                    for i in shards:
+                        holders.setdefault(i, []).append(r)
+        pieces = shard_plan.plan(meta, old_n, holders, n)
+        views = {i: reshard.shard_views(meta, old_n, i, flats)
+                 for i, flats in (gen.shards.items() if gen is not None else ())}
+        w = runtime.worker()
+        moved = time.perf_counter()
+        shards, got, sent = run_blocking(
+            lambda: reshard.reshard(w.cpu_group if w else None, me, pieces, meta, old_n, n,
+                                    views), "reshard", w) if w else \
+            reshard.reshard(None, me, pieces, meta, old_n, n, views)
+        self.stats["reshard_s"] = time.perf_counter() - moved
+        self.stats["reshard_received"] += got
+        self.stats["reshard_sent"] += sent
+        self.sync_stats["bytes_received"] += got
+        self.sync_stats["bytes_sent"] += sent
+        _parts().load_live(self.model, self.optimizer, tree["parts"], shards)
+        self._load_objects(tree["objects"])
+        self.stats["resumed_from"] = version
+        self._promote(self._save(version))    # the new layout, with its copies
+        return self._after(started)
+
+    def _after(self, started):
+        for name in self._object_names:
+            obj = getattr(self, name)
+            h = handlers.handler_for(obj)
+            if isinstance(h, handlers.Handler):
+                h.after_sync(obj)
+        w = runtime.worker()
+        if w is not None:
+            if w.progress.holds != self._version:
+                w.progress.holds = self._version
+                w.heartbeat.wake()
+            w.progress.timed("sync", time.perf_counter() - started)
+
+    def _rebuild(self):
+        """Build the model and optimizer on this round's mesh (once per round)."""
+        group = _round_group()
+        if group is self._built_for and self.model is not None:
+            return
+        from torch.distributed.device_mesh import DeviceMesh
+        mesh = DeviceMesh.from_group(group, "cpu") if group is not None else None
+        self.model, self.optimizer = None, None
+        model, optimizer = self._build(mesh)
+        _parts().check_model(model)
+        self.model, self.optimizer = model, optimizer
+        self._built_for = group
+        self.stats["builds"] += 1
+
+    # -- the State API that does not apply ------------------------------------------------
+    def capture(self):
+        raise ElasticError("ShardedState commits shards; there is no full capture()")
+
+    def apply(self, tree):
+        raise ElasticError("ShardedState loads shards; there is no full apply()")
+
+
+def _parts():
+    """elastic.state.fsdp_parts, imported when first needed (DTensor's import is slow)."""
+    from elastic.state import fsdp_parts
+    return fsdp_parts
+
+
+def _round_group():
+    group = torch_world.current()
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        group = torch.distributed.group.WORLD
+    return group
+
+
+def _rank_size():
+    w = runtime.worker()
+    if w is not None and w.membership is not None:
+        return w.membership.rank, w.membership.size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1

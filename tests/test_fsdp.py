@@ -1,0 +1,119 @@
+"""FSDP2 state held in shards (elastic.ShardedState), resharded live, with one
+redundancy copy per shard: a job whose world goes 4 -> 3 (SIGKILL mid-backward)
+-> 5 (two hosts added) -> 4 (one removed) against a fixed 4-worker run of the same
+script (tests/workloads/fsdp_job.py), plus the shard plan's pure logic.
+"""
+
+import json
+
+import pytest
+import torch
+from jobs import REPO, Job, sizes_in_order
+
+from elastic.state import shard_plan
+from elastic.state.shard_plan import Piece, ShardsLost
+
+FSDP_JOB = REPO / "tests" / "workloads" / "fsdp_job.py"
+STEPS = 8
+SAMPLES, GLOBAL_BATCH = 120, 60
+
+
+# -- the plan, without processes ---------------------------------------------------------
+def test_rows_follow_torch_chunk():
+    for total in (0, 1, 3, 7, 32):
+        for n in (1, 3, 4, 5):
+            want = [c.shape[0] for c in torch.arange(total).chunk(n)] if total else []
+            got = [b - a for a, b in (shard_plan.rows(total, n, i) for i in range(n))]
+            assert [g for g in got if g] == [w for w in want if w]
+            assert sum(got) == total
+
+
+def test_plan_moves_only_rows_whose_owner_changes():
+    meta = [("w", (12, 2), "torch.float32")]
+    own = {i: [i] for i in range(4)}                 # 4 -> 4: nothing travels
+    assert all(p.src == p.dst for p in shard_plan.plan(meta, 4, own, 4))
+    # 4 -> 3: new rank j holds old shard j; rows 0..3 stay on rank 0, the rest move.
+    pieces = shard_plan.plan(meta, 4, {0: [0], 1: [1], 2: [2], 3: [0]}, 3)
+    assert Piece(0, 0, "w", 0, 0, 3) in pieces and Piece(1, 0, "w", 1, 3, 4) in pieces
+    moved = sum(p.stop - p.start for p in pieces if p.src != p.dst)
+    assert moved == 12 - 3 - 2 - 1                  # every row kept where it can be
+    for dst in range(3):                             # each new rank gets exactly its rows
+        start, stop = shard_plan.rows(12, 3, dst)
+        got = sorted((p.start, p.stop) for p in pieces if p.dst == dst)
+        assert got[0][0] == start and got[-1][1] == stop
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+
+
+def test_copies_form_a_ring_and_choose_version_needs_every_shard():
+    assert shard_plan.copies_kept(0, 4, 1) == [3] and shard_plan.copy_targets(3, 4, 1) == [0]
+    assert shard_plan.copies_kept(1, 2, 3) == [0]       # never more copies than peers
+    # Rank 2 of 4 lost: ranks 0, 1, 3 hold {0,3}, {1,0}, {3,2} of commit 5 -> whole.
+    held = [[(5, 4, [0, 3])], [(5, 4, [0, 1])], [(5, 4, [2, 3])], []]
+    assert shard_plan.choose_version(held) == (5, 4)
+    # A commit that did not close everywhere: 6 is whole only with rank 1's shard.
+    assert shard_plan.choose_version([[(5, 4, [0, 3]), (6, 4, [0, 3])], [(5, 4, [1, 2])]]) \
+        == (5, 4)
+    assert shard_plan.choose_version([[], []]) is None
+    with pytest.raises(ShardsLost, match=r"shard\(s\) \[1, 2\]"):
+        shard_plan.choose_version([[(5, 4, [0, 3])], [(5, 4, [3])]])
+
+
+# -- real jobs ------------------------------------------------------------------------
+def run_fixed(tmp_path):
+    job = Job(tmp_path, ["-np", "4", "-H", "localhost:4"], env={"FSDP_STEPS": str(STEPS)},
+              script=FSDP_JOB)
+    assert job.run() == 0, job.output()[-4000:]
+    return job
+
+
+def run_changing(tmp_path):
+    env = {"FSDP_STEPS": str(STEPS), "FSDP_KILL": "3:3", "FSDP_HOLD": "5:5,6:4"}
+    job = Job(tmp_path, ["-np", "4", "--min-np", "3", "--max-np", "5"],
+              hosts=["localhost:3", "127.0.0.1:1"], env=env, script=FSDP_JOB).start()
+    job.wait_step(5, size=3)                                  # rank 3 was killed at step 3
+    job.set_hosts(["localhost:3", "127.0.0.2:2"])              # scale up to 5 at step 5
+    job.wait_step(6, size=5)
+    job.set_hosts(["localhost:3", "127.0.0.2:1"])              # graceful removal at step 6
+    assert job.finish() == 0, job.output()[-4000:]
+    return job
+
+
+@pytest.fixture(scope="module")
+def fsdp_jobs(tmp_path_factory):
+    return (run_fixed(tmp_path_factory.mktemp("fsdp_fixed")),
+            run_changing(tmp_path_factory.mktemp("fsdp_changing")))
+
+
+def finals(job):
+    out = [json.loads(p.read_text()) for p in sorted(job.out.glob("final.*.json"))]
+    assert len(out) == out[0]["size"], out
+    for f in out:
+        assert f["agree"], f["worker"]          # every shard equals its rows of the full state
+    for key in ("params", "moments", "sampler", "batches", "step"):
+        assert len({json.dumps(f[key]) for f in out}) == 1, key
+    return out[0]
+
+
+def flat(tree):
+    return torch.tensor([v for k in sorted(tree) for v in tree[k]], dtype=torch.float64)
+
+
+def test_sharded_job_matches_a_fixed_world_run_across_kill_scale_up_and_removal(fsdp_jobs):
+    fixed, changing = fsdp_jobs
+    assert sizes_in_order(fixed.steps()) == [4]
+    assert sizes_in_order(changing.steps()) == [4, 3, 5, 4]
+    a, b = finals(changing), finals(fixed)
+    assert a["step"] == b["step"] == STEPS and a["size"] == 4
+    assert a["batches"] == b["batches"]                       # the same global batches
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for start in range(0, len(a["batches"]), per_epoch):      # each sample once per epoch
+        epoch = [i for batch in a["batches"][start:start + per_epoch] for i in batch]
+        assert sorted(epoch) == list(range(SAMPLES))
+    for key in ("params", "moments"):                         # AdamW's state too
+        got, want = flat(a[key]), flat(b[key])
+        assert float((got - want).norm() / want.norm()) < 1e-5, key
+    assert "killed" in {p.name for p in changing.out.iterdir()}
+    # The kill was recovered from the survivors' copies, and later changes resharded.
+    records = changing.steps()
+    assert max(r["builds"] for r in records) >= 4
+    assert any(r["reshard_received"] > 0 for r in records if r["size"] == 5)

@@ -1,0 +1,124 @@
+"""An FSDP2 training script made elastic: the workload of tests/test_fsdp.py.
+
+Three fully_shard-ed Linear layers (rows that split unevenly at 3, 4 and 5
+workers) and AdamW in float32, trained at a constant global batch: every step
+trains the same G samples at any world size, each rank its share, with the loss
+scaled so that FSDP2's gradient average is the global batch's mean.
+
+Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step), final.<rank>.json
+(full parameters and optimizer state gathered at the end, whether this rank's
+shards equal its rows of them, the global batches). FSDP_HOLD="5:5,6:4" keeps
+committing after those steps until the world has 5, then 4 workers; FSDP_KILL=step:rank
+SIGKILLs that rank once, mid-backward.
+"""
+
+import json
+import os
+import signal
+import time
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+import elastic
+from elastic.state.shard_plan import rows
+
+OUT = os.environ["JOB_OUT"]
+STEPS = int(os.environ.get("FSDP_STEPS", "8"))
+SAMPLES, GLOBAL_BATCH = 120, 60
+HOLDS = dict(tuple(int(v) for v in s.split(":"))
+             for s in os.environ.get("FSDP_HOLD", "").split(",") if s)
+KILL = os.environ.get("FSDP_KILL", "")
+WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
+
+
+def build(mesh):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 3))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def main():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 6, generator=gen)
+    y = torch.sin(x[:, :3] * 2)
+    sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=1,
+                                     global_batch_size=GLOBAL_BATCH)
+    state = elastic.ShardedState(build, sampler=sampler, epoch=0, step=0, batches=[])
+    log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
+
+    def train_step():
+        model, optimizer = state.model, state.optimizer
+        size = elastic.size()
+        batch = state.sampler.global_batch_indices(0)
+        mine = state.sampler.share_of(batch)
+        optimizer.zero_grad()
+        per_sample = ((model(x[mine]) - y[mine]) ** 2).mean(dim=1)
+        loss = per_sample.sum() * size / GLOBAL_BATCH     # FSDP2 averages over ranks
+        if KILL == f"{state.step + 1}:{elastic.rank()}" and \
+                not os.path.exists(os.path.join(OUT, "killed")):
+            open(os.path.join(OUT, "killed"), "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)          # peers are in this backward
+        loss.backward()
+        optimizer.step()
+        state.sampler.record_global_batch()
+        state.step += 1
+        state.batches.append(batch)
+        w = elastic.worker.runtime.worker()
+        log.write(json.dumps({"step": state.step, "rank": elastic.rank(), "size": size,
+                              "round": w.round_id if w else 0,
+                              "worker": WID, "builds": state.stats["builds"],
+                              "held": state.held_bytes(),
+                              "reshard_received": state.stats["reshard_received"]}) + "\n")
+        state.commit()
+
+    def hold():
+        """After step s of FSDP_HOLD, commit (no training) until the world has its size:
+        a commit raises for each new round, and the loop comes back here."""
+        while elastic.size() != HOLDS.get(state.step, elastic.size()):
+            state.commit()
+            time.sleep(0.05)
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            state.sampler.set_epoch(state.epoch)
+            while state.sampler.global_batches_left > 0 and state.step < STEPS:
+                hold()
+                train_step()
+            if state.sampler.global_batches_left == 0:
+                state.epoch += 1
+                state.commit()
+
+    train(state)
+    model, optimizer = state.model, state.optimizer
+    rank, size = elastic.rank(), elastic.size()
+    # Full tensors from every rank's local shard (an allgather of our own), and
+    # whether this rank's shard equals its rows of them.
+    local = {name: p.to_local() for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        for k, v in optimizer.state[p].items():
+            if k != "step":
+                local[f"{name}/{k}"] = v.to_local()
+    shards = elastic.allgather_object({k: v.tolist() for k, v in local.items()})
+    full = {k: torch.cat([torch.tensor(s[k]).reshape(-1, *v.shape[1:]) for s in shards])
+            for k, v in local.items()}
+    agree = all(torch.equal(full[k][slice(*rows(full[k].shape[0], size, rank))], v)
+                for k, v in local.items())
+    params = {k: v.flatten().tolist() for k, v in full.items() if "/" not in k}
+    moments = {k: v.flatten().tolist() for k, v in full.items() if "/" in k}
+    with open(os.path.join(OUT, f"final.{rank}.json"), "w") as f:
+        json.dump({"params": params, "moments": moments, "agree": agree,
+                   "sampler": state.sampler.state_dict(), "batches": state.batches,
+                   "step": state.step, "size": size, "worker": WID,
+                   "resumed_from": state.stats["resumed_from"]}, f)
+
+
+if __name__ == "__main__":
+    main()
