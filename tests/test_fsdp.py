@@ -5,6 +5,9 @@ script (tests/workloads/fsdp_job.py), plus the shard plan's pure logic.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,3 +120,17 @@ def test_sharded_job_matches_a_fixed_world_run_across_kill_scale_up_and_removal(
     records = changing.steps()
     assert max(r["builds"] for r in records) >= 4
     assert any(r["reshard_received"] > 0 for r in records if r["size"] == 5)
+
+
+def test_unsupported_fsdp2_options_refused_and_a_commit_restored_in_place():
+    """One process, a world of 1: mixed precision and an HSDP mesh are refused with one
+    line; with reshard_after_forward=False a sync brings back the commit, optimizer too."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "fsdp_options.py")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "mixed precision is not supported" in out["mixed_precision"]
+    assert "1-D mesh" in out["hsdp"] and "\n" not in out["hsdp"]
+    assert out["restored"] and out["step"] == 1 and out["moved"] == 0
+
