@@ -141,7 +141,7 @@ OURS_NAMED_THERE = {"--check-build", "--stall-timeout", "--timestamp-output"}
 
 def test_every_horovodrun_flag_in_the_docs_has_a_case():
     named = _horovod_flags_in_docs()
-    assert len(named) > 40, sorted(named)          # the paragraph was found
+    assert len(named) > 30, sorted(named)          # the paragraph was found
     missing = named - set(HOROVOD_FLAGS) - OURS_NAMED_THERE
     assert not missing, f"docs/horovod.md lists flags no test checks: {sorted(missing)}"
 
