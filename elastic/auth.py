@@ -82,6 +82,22 @@ class Sealer:
         return int(seq_bytes), payload
 
 
+MIN_SECRET_BYTES = 16
+# The placeholder examples/kubernetes/secret.yaml ships: it works as a secret, so it is refused.
+EXAMPLE_SECRETS = (b"replace-me-with-openssl-rand-hex-32",)
+
+
+def weak_secret(secret):
+    """Why ``secret`` must not seal a job (too short, or an example's placeholder), or None."""
+    value = _to_bytes(secret).strip()
+    if value in EXAMPLE_SECRETS:
+        return "is the example's placeholder; make one with: openssl rand -hex 32"
+    if len(value) < MIN_SECRET_BYTES:
+        return (f"is {len(value)} bytes; a job secret needs at least {MIN_SECRET_BYTES} "
+                "(openssl rand -hex 32)")
+    return None
+
+
 def stderr_warning(message):
     sys.stderr.write(f"elastic: warning: {message}\n")
     sys.stderr.flush()

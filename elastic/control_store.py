@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from elastic.auth import Rejected, Sealer, WarnOnce, stderr_warning
 from elastic.exceptions import ElasticError
+from elastic.secret_env import forget_env
 from elastic.store_link import RECONNECT_WITHIN_S, HealingStore, keepalive_accepted
 
 ENV_SECRET = "ELASTIC_SECRET"                # protocol.py names them (and documents them)
 ENV_SECRET_FILE = "ELASTIC_SECRET_FILE"
+ENV_SECRET_FD = "ELASTIC_SECRET_FD"          # a pipe holding the secret (remote.py)
 
 _CHUNK = 512            # keys per check / multi_get in get_present
 _SMALL_CHUNK = 32       # ... below which a chunk with a missing key is read key by key
@@ -39,17 +41,49 @@ class ControlError(ElasticError):
     """The job secret is missing, or the control store cannot be reached."""
 
 
+_SECRET_READ = None     # this process's secret, once read from (and removed from) os.environ
+
+
 def read_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
-    """Prefer a 0600 file so the secret never shows in the environment of ps."""
+    """The secret elasticrun handed this process: a 0600 file's (ELASTIC_SECRET_FILE)
+    or ELASTIC_SECRET's. Read from this process's own environment, it is then removed
+    from it (secret_env.forget): children and /proc/PID/environ do not see it, and
+    later calls return what was read."""
+    global _SECRET_READ
+    own = environ is None or environ is os.environ
+    if own and _SECRET_READ is not None:
+        return _SECRET_READ
     env = os.environ if environ is None else environ
     path = env.get(ENV_SECRET_FILE)
-    if path:
+    if env.get(ENV_SECRET_FD):
+        secret = _read_pipe(int(env[ENV_SECRET_FD]))
+    elif path:
         with open(path, "rb") as f:
-            return f.read().strip()
-    secret = env.get(ENV_SECRET)
-    if not secret:
+            secret = f.read().strip()
+    elif env.get(ENV_SECRET):
+        secret = env[ENV_SECRET].encode()
+    else:
         raise ControlError("no job secret: set by elasticrun for its workers")
-    return secret.encode()
+    if own:
+        _SECRET_READ = secret
+        forget_env((ENV_SECRET, ENV_SECRET_FILE, ENV_SECRET_FD))
+    return secret
+
+
+def _read_pipe(fd):
+    """Everything on pipe ``fd`` until it ends; then the fd is closed."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError as exc:
+        raise ControlError(f"cannot read the job secret from fd {fd}: {exc.strerror}") from None
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return b"".join(chunks).strip()
 
 
 def connect(addr: str, port: int | str, timeout_s: float, is_master: bool = False) -> dist.TCPStore:

@@ -148,6 +148,7 @@ def decode_ids(encoded) -> list:
 # control_store.py; its names are part of the contract, so they are named here too.
 from elastic.control_store import (  # noqa: E402
     ENV_SECRET,
+    ENV_SECRET_FD,
     ENV_SECRET_FILE,
     ControlError,
     ControlStore,
@@ -160,7 +161,7 @@ from elastic.control_store import (  # noqa: E402
 )
 from elastic.store_link import RECONNECT_WITHIN_S, driver_refuses  # noqa: E402
 
-__all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "ControlError", "ControlStore", "Doorbell",
+__all__ = ["ENV_SECRET", "ENV_SECRET_FD", "ENV_SECRET_FILE", "ControlError", "ControlStore", "Doorbell",
            "connect", "keepalive_on_accepted", "listen", "open_link", "read_secret_from_env",
            "RECONNECT_WITHIN_S", "driver_refuses"]
 
@@ -277,6 +278,21 @@ class Keys:
 # -- joining agents (elasticrun --serve / --join) ---------------------------------------------
 
 HELLO_KEY = "elastic/serve/hello"   # raw, outside the namespace: lets a wrong secret be told apart
+
+
+def worker_key(secret):
+    """The secret workers hold: derived from the job secret, which only the driver and
+    the agents hold. Workers' keys live in its namespace and carry its seals; an
+    agent obeys only requests sealed with the job secret, so a compromised worker
+    cannot make agents start anything."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return hmac.new(secret, b"elastic-worker-key", hashlib.sha256).hexdigest()
+
+
+def job_keys(secret):
+    """(the job secret, the workers' key)."""
+    return secret, worker_key(secret)
 
 
 def serve_proof(secret, nonce):

@@ -46,12 +46,13 @@ class Outsider:
     def keys(self):
         return self._call("list_keys") or []
 
-    def namespace(self, timeout=120):
-        """The job's key prefix, as list_keys shows it (it hides nothing)."""
+    def namespace(self, timeout=120, marks=("//worker/", "//round/")):
+        """The job's key prefix, as list_keys shows it (it hides nothing): the workers'
+        by default; ``marks=("//agent/",)`` finds the agents' (another key's namespace)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for key in self.keys():
-                if "//worker/" in key or "//round/" in key:
+                if any(mark in key for mark in marks):
                     return key.split("//", 1)[0] + "//"
             time.sleep(0.02)
         raise AssertionError("no job keys visible to list_keys()")
@@ -100,6 +101,7 @@ class FirstSightVandal(threading.Thread):
 
     def __init__(self, outsider, namespace, skip=(), every=0.01):
         super().__init__(name="vandal", daemon=True)
+        # ``namespace``: a prefix, or a tuple of them (the workers' and the agents').
         self.o, self.ns, self.skip, self.every = outsider, namespace, tuple(skip), every
         self.hit = set()
         self._halt = threading.Event()

@@ -39,6 +39,7 @@ class Job:
         self.script = script
         self.script_args = [str(a) for a in script_args]
         self.proc = None
+        self.prefix = []         # an argv prefix for elasticrun (netlab: its namespace)
 
     def set_hosts(self, hosts):
         tmp = self.hosts_file.with_suffix(".tmp")
@@ -48,7 +49,8 @@ class Job:
     def start(self):
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            ELASTICRUN + self.args + [sys.executable, str(self.script)] + self.script_args,
+            self.prefix + ELASTICRUN + self.args + [sys.executable, str(self.script)]
+            + self.script_args,
             env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
             start_new_session=True)
         return self

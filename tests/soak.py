@@ -14,6 +14,14 @@ repeats.GROUP_REPEAT_LIMIT rounds and back after each cooldown), and SIGTERM to
 elasticrun followed by a rerun of the same command. At the end: every rank bitwise equal, every sample trained
 exactly once per epoch in the committed history, no committed step lost, and
 the long-lived worker's resources bounded.
+thread, hosts added and removed, and SIGTERM to elasticrun followed by a rerun
+of the same command. Before about one change in four, every connection to the
+control store is reset (``ss -K``, as an idle-flow drop by a NAT or load balancer
+does): the change that follows must work over the healed connections. Then, where
+the network lab is available (tests/netlab.py), the driver's link is cut and
+restored a few times under another job (lab_cuts). At the end: every rank bitwise
+equal, every sample trained exactly once per epoch in the committed history, no
+committed step lost, and the long-lived worker's resources bounded.
 """
 
 import argparse
@@ -21,7 +29,9 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +57,7 @@ class Soak:
         self.target = changes
         self.driver_stops = driver_stops
         self.listed = [KEEP] + POOL[:2]
-        self.counts = {a: 0 for a in ACTIONS + ("driver SIGTERM + rerun",)}
+        self.counts = {a: 0 for a in ACTIONS + ("driver SIGTERM + rerun", "connection reset")}
         self.runs = 0
         self.stopped_at = []        # (commit stopped at, commit resumed from)
         self.resources = []         # readings of the long-lived worker
@@ -157,6 +167,17 @@ class Soak:
         self.counts[action] += 1
         return True
 
+    def reset_connections(self):
+        """Reset every connection to the store (workers' and the driver's helpers'),
+        most of them idle; skipped where ss cannot destroy sockets."""
+        live = job_workers(self.out)
+        if not live or shutil.which("ss") is None:
+            return
+        port = next(iter(live.values()))["ELASTIC_STORE_PORT"]
+        done = subprocess.run(["ss", "-K", "-tnH", f"dport = :{port}"], capture_output=True)
+        if done.returncode == 0 and done.stdout.strip():
+            self.counts["connection reset"] += 1
+
     def quiet(self, timeout=120):
         """No stopped or stuck worker left: every worker can reach the stop's commit."""
         deadline = time.monotonic() + timeout
@@ -206,6 +227,8 @@ class Soak:
                 action = "remove"
             if not self.counts["badnet"] and self.changes() >= self.target // 3:
                 action = "badnet"            # once in every run, whatever the seed
+            if self.rng.random() < 0.25:
+                self.reset_connections()
             self.act(action)
             deadline = time.monotonic() + 30
             while self.changes() == before and time.monotonic() < deadline:
@@ -243,6 +266,42 @@ class Soak:
                 "resources": self.resources, "growth": growth}
 
 
+def lab_cuts(workdir, cuts):
+    """In the network lab (where this machine allows namespaces): a job on two worker
+    hosts whose driver loses its link ``cuts`` times, each time until the driver has
+    seen every heartbeat stop at once, then gets it back. The job must finish with
+    nobody evicted or blacklisted. Returns None where the lab is not available."""
+    from netlab import Lab, lab_job, why_no_lab
+    if why_no_lab():
+        return None
+    lab = Lab(Path(workdir) / "lab")
+    try:
+        driver, a, b = lab.host("driver"), lab.host("a"), lab.host("b")
+        job = lab_job(Path(workdir) / "lab-job", lab, driver,
+                      ["-np", "2", "-H", f"{a.addr}:1,{b.addr}:1", "--worker-timeout", "10"],
+                      env={"JOB_HOLD": "3", "JOB_EPOCHS": "2"}).start()
+        try:
+            job.wait_step(3)
+            for n in range(1, cuts + 1):
+                lab.link_down(driver)
+                job.wait_for(lambda: job.output().count("every heartbeat stopped") >= n,  # noqa: B023
+                             f"cut {n} to be seen", timeout=120)
+                lab.link_up(driver)
+                job.wait_for(lambda: job.output().count("heartbeats are back") >= n,  # noqa: B023
+                             f"the link to come back after cut {n}", timeout=180)
+            job.release(3)
+            code = job.finish()
+        finally:
+            if job.proc.poll() is None:
+                job.proc.kill()
+        job.assert_ok(code, epochs=2, final_size=2)
+        out = job.output()
+        assert "blacklisting" not in out and "sent no heartbeat" not in out, out[-4000:]
+        return cuts
+    finally:
+        lab.close()
+
+
 def table(summary):
     r = summary["resources"]
     lines = ["| what | count |", "|---|---|"]
@@ -270,6 +329,9 @@ def table(summary):
                      f"{first['fds']} -> {last['fds']} ({g['fds']:+d}) / {first['threads']} -> "
                      f"{last['threads']} ({g['threads']:+d}) / {first['rss'] / 2**20:.0f} -> "
                      f"{last['rss'] / 2**20:.0f} MiB ({g['rss']:.2f}x) |")
+    if summary.get("lab_cuts") is not None:
+        lines.append(f"| lab: driver link cut and restored, nobody evicted | "
+                     f"{summary['lab_cuts']} |")
     lines.append(f"| wall time | {summary['seconds']:.0f} s |")
     return "\n".join(lines)
 
@@ -279,10 +341,13 @@ def main(argv=None):
     p.add_argument("--changes", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", default=None, help="work directory (default: a fresh temp one)")
+    p.add_argument("--lab-cuts", type=int, default=3,
+                   help="driver link cuts in the network lab, where it is available (0: none)")
     args = p.parse_args(argv)
     import tempfile
     workdir = args.dir or tempfile.mkdtemp(prefix="elastic-soak-")
     summary = Soak(workdir, args.changes, args.seed).run()
+    summary["lab_cuts"] = lab_cuts(workdir, args.lab_cuts) if args.lab_cuts else None
     print(table(summary))
     return 0
 

@@ -163,7 +163,7 @@ def test_an_outsider_cannot_keep_agents_out_or_make_the_hello_lie(join_job, tmp_
     job.join("node-a")
     job.wait_step(3, size=1)
     o = Outsider("127.0.0.1", job.port, timeout=2)     # it comes back quickly once the job ends
-    ns = o.namespace()
+    ns = o.namespace(marks=("//agent/",))        # the agents' keys (the workers' are apart)
     o.set_many([f"{ns}agent/slot/{i}" for i in range(1, 10001)], b"squatted",
                "every slot an agent could claim")
     forged = FAKE_MAC + b".1." + json.dumps({"host": "evil", "slots": 64}).encode()
@@ -174,7 +174,7 @@ def test_an_outsider_cannot_keep_agents_out_or_make_the_hello_lie(join_job, tmp_
     assert real, "node-a's registration is visible"
     o.set(f"{ns}agent/{secrets.token_hex(16)}-{'1' * 16}/info", o.get(real[0]),
           "node-a's registration copied under another name")
-    vandal = FirstSightVandal(o, ns, skip=("/slot/", "0" * 16), every=0.1)
+    vandal = FirstSightVandal(o, (ns, o.namespace()), skip=("/slot/", "0" * 16), every=0.1)
     vandal.start()
     nonce = secrets.token_hex(16)
     o.set(protocol.HELLO_KEY, b"garbage", "a garbage hello")
@@ -182,7 +182,7 @@ def test_an_outsider_cannot_keep_agents_out_or_make_the_hello_lie(join_job, tmp_
         {"nonce": nonce, "proof": protocol.serve_proof("not-the-secret", nonce)}),
         "a hello that proves another secret")
     wrong = tmp_path / "wrong-secret"
-    wrong.write_text("not-the-secret\n")
+    wrong.write_text("not-the-secret-of-this-job\n")
     intruder = _agent(job, wrong, "intruder")
     job.join("node-b")
     try:
@@ -209,6 +209,37 @@ def test_an_outsider_cannot_keep_agents_out_or_make_the_hello_lie(join_job, tmp_
     assert len(re.findall(r"agent joined:", out)) == 2, out[-3000:]
 
 
+@pytest.mark.slow
+def test_a_worker_cannot_seal_a_request_an_agent_obeys(join_job):
+    """Workers hold a key derived from the job secret (protocol.worker_key), not the
+    secret: a spawn request a compromised worker seals with it, written where the
+    agent reads its requests, is ignored (the agent warns), and nothing starts."""
+    from elastic.auth import Sealer
+    job = join_job(["-np", "1", "--worker-timeout", "10"], env={"JOB_HOLD": "3"}).start()
+    job.join("node-a")
+    job.wait_step(3)
+    secret = job.secret_file.read_text().strip()
+    [(pid, env)] = job_workers(job.out).items()
+    assert protocol.worker_key(secret).encode() not in open(f"/proc/{pid}/environ", "rb").read()
+    raw = protocol.connect("127.0.0.1", job.port, 30)
+    beats = [m for m in (re.match(r"^(.*)agent/([^/]+)/beat$", k) for k in raw.list_keys()) if m]
+    assert len(beats) == 1, raw.list_keys()
+    prefix, name = beats[0].group(1), beats[0].group(2)
+    namespace = prefix.rstrip("/")
+    forger = Sealer(protocol.worker_key(secret), job=namespace)
+    request = {"op": "spawn", "worker_id": "999", "env": {"JOB_FORGED": "1"}}
+    for seq in range(1, 6):
+        key = protocol.AgentKeys.request(name, seq)
+        raw.set(prefix + key, forger.seal(key, json.dumps(request, sort_keys=True).encode()))
+    wait_until(lambda: "ignored control-store key" in job.agent_output("node-a"),
+               "the agent to refuse the forged request", output=lambda: job.agent_output("node-a"))
+    assert all(e.get("ELASTIC_WORKER_ID") != "999" for e in job_workers(job.out).values())
+    job.release(3)
+    code = job.finish()
+    job.assert_ok(code, final_size=1)
+    del raw
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--serve", "-np", "1"], "need --secret-file"),
     (["--serve", "--secret-file", "{secret}", "-np", "1", "-H", "localhost:1"],
@@ -230,16 +261,39 @@ def test_an_outsider_cannot_keep_agents_out_or_make_the_hello_lie(join_job, tmp_
 def test_bad_serve_and_join_flags_give_one_line(tmp_path, capsys, argv, message):
     from elastic.runner import cli
     secret = tmp_path / "secret"
-    secret.write_text("s\n")
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
     assert cli.main([a.replace("{secret}", str(secret)) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("mode", [["--serve", "-np", "1"], ["--join", "127.0.0.1:1"]])
+@pytest.mark.parametrize("secret, message", [
+    ("s", "is 1 bytes; a job secret needs at least 16"),
+    ("0123456789abcde", "is 15 bytes"),
+    ("replace-me-with-openssl-rand-hex-32", "the example's placeholder"),
+])
+def test_a_weak_secret_is_refused_with_one_line(tmp_path, capsys, mode, secret, message):
+    from elastic.runner import cli
+    path = tmp_path / "secret"
+    path.write_text(secret + "\n")
+    argv = mode + ["--secret-file", str(path)] + (["python3"] if "--join" in mode else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_the_kubernetes_example_ships_the_refused_placeholder():
+    """If the example's placeholder changes, the refusal must follow it."""
+    from elastic.auth import EXAMPLE_SECRETS
+    text = (REPO / "examples" / "kubernetes" / "secret.yaml").read_text()
+    assert any(p.decode() in text for p in EXAMPLE_SECRETS)
+
+
 @pytest.mark.slow
 def test_no_driver_at_the_address_is_one_line(tmp_path):
     secret = tmp_path / "secret"
-    secret.write_text("s\n")
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
     from harness import free_port
     proc = subprocess.run(
         ELASTICRUN + ["--join", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),

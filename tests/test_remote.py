@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from jobs import Job, hosts_by_rank, sizes_in_order
@@ -123,6 +122,9 @@ def test_bootstrap_uses_the_control_plane_names():
     assert remote.SECRET_ENV == control.ENV_SECRET
     assert remote.SECRET_FILE_ENV == control.ENV_SECRET_FILE
     assert remote.ADDR_ENV == control.ENV_ADDR
+    from elastic import auth
+    assert remote.MIN_SECRET_BYTES == auth.MIN_SECRET_BYTES
+    assert remote.EXAMPLE_SECRETS == auth.EXAMPLE_SECRETS
 
 
 def test_only_this_machine_is_local():
@@ -213,9 +215,11 @@ def test_ssh_flags_reach_the_config(tmp_path):
 
 PROBE = r"""
 import json, os, stat, sys
-path = os.environ.get("ELASTIC_SECRET_FILE")
-json.dump({"secret_env": "ELASTIC_SECRET" in os.environ, "path": path,
-           "mode": stat.S_IMODE(os.stat(path).st_mode), "secret": open(path).read(),
+fd = int(os.environ["ELASTIC_SECRET_FD"])
+kind = "pipe" if stat.S_ISFIFO(os.fstat(fd).st_mode) else "other"
+secret = b"".join(iter(lambda: os.read(fd, 4096), b"")).decode()
+json.dump({"secret_env": "ELASTIC_SECRET" in os.environ, "kind": kind,
+           "file_env": "ELASTIC_SECRET_FILE" in os.environ, "secret": secret,
            "cwd": os.getcwd(), "addr": os.environ.get("ELASTIC_STORE_ADDR"),
            "extra": os.environ.get("EXTRA")}, sys.stdout)
 sys.stdout.flush()
@@ -242,23 +246,51 @@ def _finish(proc, timeout=60):
     return out, err
 
 
-def test_bootstrap_hands_the_secret_over_in_a_0600_file(tmp_path):
+def _secret_files():
+    import tempfile
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("elastic-secret-")}
+
+
+def test_bootstrap_hands_the_secret_over_on_a_pipe(tmp_path):
+    before = _secret_files()
     proc = _bootstrap([sys.executable, "-c", PROBE, "7"], env={"EXTRA": "1"}, cwd=str(tmp_path),
-                      extra_env={"ELASTIC_SECRET": "leaked-from-login-env"})
+                      extra_env={"ELASTIC_SECRET": "leaked-from-login-env",
+                                 "ELASTIC_SECRET_FILE": "/login/env/file"})
     out, err = _finish(proc)
     assert proc.returncode == 7, err
     seen = json.loads(out)
-    assert seen == {"secret_env": False, "path": seen["path"], "mode": 0o600,
+    assert seen == {"secret_env": False, "kind": "pipe", "file_env": False,
                     "secret": "ab" * 32, "cwd": str(tmp_path),
                     "addr": "10.9.8.7",      # no address given: where ssh came from
                     "extra": "1"}
-    assert not os.path.exists(seen["path"]), "the secret file outlived the worker"
+    assert _secret_files() <= before, "the secret was written to a file"
+
+
+def test_a_sigkilled_bootstrap_leaves_no_secret_behind(tmp_path):
+    before = _secret_files()
+    started = tmp_path / "started"
+    proc = _bootstrap([sys.executable, "-c",
+                       f"import time; open({str(started)!r}, 'w'); time.sleep(60)"])
+    wait_until(started.exists, "the worker to start")
+    os.kill(proc.pid, signal.SIGKILL)
+    _finish(proc)
+    assert _secret_files() <= before
 
 
 def test_bootstrap_reports_a_signal_death_as_128_plus_n():
     proc = _bootstrap([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
     _finish(proc)
     assert proc.returncode == 128 + signal.SIGKILL   # never 255, which means "ssh failed"
+
+
+@pytest.mark.parametrize("secret", ["", "s", "0123456789abcde", "replace-me-with-openssl-rand-hex-32"])
+def test_bootstrap_refuses_a_weak_secret_in_one_line(tmp_path, secret):
+    marker = tmp_path / "ran"
+    proc = _bootstrap([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], secret=secret)
+    _, err = _finish(proc)
+    assert proc.returncode == remote.WEAK_SECRET == 2
+    assert err.decode().count("\n") == 1 and "refusing a job secret" in err.decode()
+    assert not marker.exists()
 
 
 def test_bootstrap_cannot_start_the_command_in_one_line():
@@ -337,18 +369,17 @@ def test_remote_hosts_train_to_the_end(tmp_path, sshd, start):  # noqa: F811
 def test_the_secret_is_on_no_command_line(tmp_path, sshd, start):  # noqa: F811
     a, b = sshd.addrs
     job = start(remote_job(tmp_path, sshd, ["-np", "2", "-H", f"{a}:1,{b}:1"],
-                           env={"JOB_HOLD": "2"}))
+                           env={"JOB_HOLD": "2", "JOB_SECRET_OUT": "1"}))
     job.wait_step(2)
     workers = job_workers(job)
     assert len(workers) == 2, workers
-    secrets, files = set(), []
+    secrets = set()
     for pid in workers:
         env = environ(pid)
         assert b"ELASTIC_SECRET" not in env, "the secret itself is in a worker's environment"
-        path = env[b"ELASTIC_SECRET_FILE"].decode()
-        assert os.stat(path).st_mode & 0o777 == 0o600
-        files.append(path)
-        secrets.add(Path(path).read_bytes().strip())
+        assert b"ELASTIC_SECRET_FILE" not in env, "a secret file (remote.py uses a pipe)"
+        # Its key, as the worker wrote it down (JOB_SECRET_OUT): gone from its environment.
+        secrets.add((job.out / f"secret.{env[b'ELASTIC_WORKER_ID'].decode()}").read_bytes())
     assert len(secrets) == 1
     secret = secrets.pop()
     assert re.fullmatch(rb"[0-9a-f]{64}", secret), secret
@@ -368,8 +399,6 @@ def test_the_secret_is_on_no_command_line(tmp_path, sshd, start):  # noqa: F811
     job.release(2)
     job.assert_ok(job.finish(), final_size=2)
     assert_no_job_processes_left(job)
-    for path in files:
-        assert not os.path.exists(path), "a secret file outlived its worker"
 
 
 @pytest.mark.slow

@@ -30,9 +30,9 @@ from elastic.protocol import ControlStore, Keys
 
 
 def job_secret(env):
-    if env.get(control.ENV_SECRET_FILE):
-        return Path(env[control.ENV_SECRET_FILE]).read_bytes().strip()
-    return env[control.ENV_SECRET].encode()
+    """The workers' key, as a worker of a job run with JOB_SECRET_OUT wrote it down
+    (it is no longer in a worker's environment)."""
+    return (Path(env["JOB_OUT"]) / f"secret.{env[control.ENV_WORKER_ID]}").read_bytes()
 
 
 def raw_client(addr, port):
@@ -41,7 +41,8 @@ def raw_client(addr, port):
 
 
 def held_job(tmp_path):
-    job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"], env={"JOB_HOLD": "3"}).start()
+    job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"],
+              env={"JOB_HOLD": "3", "JOB_SECRET_OUT": "1"}).start()
     job.wait_step(3)
     workers = job_workers(job.out)
     assert workers, "no worker process found"
@@ -78,6 +79,23 @@ def test_the_store_port_alone_does_not_reveal_the_plan(tmp_path):
         for pid in [job.proc.pid, *workers]:
             assert secret not in _cmdline(pid), pid
         del wrong, right, store
+    finally:
+        job.release(3)
+    assert job.finish() == 0, job.output()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_worker_keeps_no_secret_in_its_environment(tmp_path):
+    """Read at elastic.init(), then gone: not in /proc/PID/environ, not in a child's."""
+    job, workers = held_job(tmp_path)
+    try:
+        for pid, env in workers.items():
+            secret = job_secret(env)
+            assert len(secret) >= 16
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert secret not in f.read(), pid
+            child = (job.out / f"child-env.{env[control.ENV_WORKER_ID]}").read_bytes()
+            assert secret not in child and b"ELASTIC_SECRET" not in child, child
     finally:
         job.release(3)
     assert job.finish() == 0, job.output()[-3000:]

@@ -126,14 +126,14 @@ def test_a_member_that_never_joins_a_round_is_evicted_and_busy_alone_is_not_a_st
     training state and there is no checkpoint: the job stops (holders.py), it does not
     train from step 0."""
     job = Job(tmp_path, ["-np", "1", "--stall-timeout", "4"], hosts=["localhost:1"],
-              env={"JOB_FAULT": "4:0:stuck"}).start()
+              env={"JOB_FAULT": "4:0:stuck", "JOB_SECRET_OUT": "1"}).start()
     job.wait_for((job.out / "fault.0").exists, "rank 0 to get stuck")
     stuck = (job.out / "fault.0").read_text()
     # Its heartbeat (read with the job's secret, as the driver does) goes on while its
     # progress stands still: let 9 more beats (over twice the stall timeout) pass.
     env = procs.environ(pid_of(job.out, stuck))
     cs = ControlStore(control.connect("127.0.0.1", env[control.ENV_PORT], 30),
-                      env[control.ENV_SECRET])
+                      (job.out / f"secret.{stuck}").read_bytes())
     at_fault = cs.get(Keys.heartbeat(stuck))["beat"]
     wait_until(lambda: cs.get(Keys.heartbeat(stuck))["beat"] >= at_fault + 2,
                "a heartbeat sent after it got stuck", 60)

@@ -14,6 +14,7 @@ import tempfile
 import ray
 
 import elastic
+from elastic.ray.workdir import UnsafeWorkdir, place_payload, private_tree
 from elastic.runner.agent import Agent, AgentConfig, AgentFailed
 
 
@@ -29,14 +30,11 @@ class AgentActor:
     def run(self, spec):
         """Join the driver and run this node's workers until the job is over; the exit code."""
         workdir = spec["workdir"]
-        os.makedirs(os.path.join(workdir, "results", "errors"), mode=0o700, exist_ok=True)
-        payload = os.path.join(workdir, "fn.pkl")
-        if not os.path.exists(payload):
-            fd = os.open(payload + f".{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                         0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(spec["payload"])
-            os.replace(payload + f".{os.getpid()}", payload)
+        try:
+            private_tree(workdir, "results/errors")
+            payload = place_payload(workdir, spec["payload"])
+        except (UnsafeWorkdir, OSError) as exc:
+            return 1, str(exc)
         fd, secret_file = tempfile.mkstemp(prefix="elastic-secret-")   # 0600
         with os.fdopen(fd, "w") as f:
             f.write(spec["secret"])

@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from elastic.launching import client
 from elastic.ray.agent_actor import AgentActor
+from elastic.ray.workdir import private_tree
 
 log = logging.getLogger("elastic.ray")
 
@@ -197,6 +198,6 @@ class RayExecutor:
             for rel, data in files.items():
                 path = os.path.join(top, rel)
                 if not os.path.exists(path):
-                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                    private_tree(tmp, os.path.relpath(os.path.dirname(path), tmp))
                     with open(path, "wb") as f:
                         f.write(data)

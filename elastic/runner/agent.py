@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from elastic import protocol, streams
 from elastic.exceptions import ElasticError
 from elastic.protocol import AgentKeys, ControlError, ControlStore
-from elastic.runner import launcher
+from elastic.runner import launcher, spawn_env
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.1
@@ -152,6 +152,7 @@ class Agent:
         self.ended = []                    # ids of this agent's workers that exited
         self.acked_beat = 0
         self._signals = []
+        self._dropped_names = set()     # variables of spawn requests warned about
 
     # -- joining --------------------------------------------------------------------
     def join(self):
@@ -392,18 +393,27 @@ class Agent:
             if message.get("op") == "spawn" and self.draining:
                 self.outbox.exited(str(message.get("worker_id")), 0)   # never started: removed
             elif message.get("op") == "spawn":
-                self._spawn(str(message.get("worker_id")), message.get("env") or {})
+                self.spawn_worker(str(message.get("worker_id")), message.get("env") or {})
             elif message.get("op") == "kill":
                 worker = self.workers.get(str(message.get("worker_id")))
                 if worker is not None:
                     worker.kill(int(message.get("signal", signal.SIGKILL)))
 
-    def _spawn(self, worker_id, job_env):
+    def spawn_worker(self, worker_id, job_env):
+        """Start a worker the driver asked for, with what its request may set (spawn_env)."""
         env = dict(os.environ)
         env.pop(protocol.ENV_SECRET, None)
-        env.update({k: str(v) for k, v in job_env.items() if isinstance(k, str)})
-        env.update({protocol.ENV_ADDR: self.cfg.driver_host,
-                    protocol.ENV_SECRET_FILE: os.path.abspath(self.cfg.secret_file),
+        env.pop(protocol.ENV_SECRET_FILE, None)     # workers get their own key (worker_key)
+        kept, dropped = spawn_env.split(job_env if isinstance(job_env, dict) else {},
+                                        spawn_env.allow_list())
+        for name in set(dropped) - self._dropped_names:
+            self._dropped_names.add(name)
+            log.warning("a spawn request set %s: ignored (an agent applies loader and "
+                        "interpreter variables only when %s names them)", name,
+                        spawn_env.ENV_ALLOW)
+        env.update(kept)
+        env.update({"PYTHONUNBUFFERED": "1", protocol.ENV_ADDR: self.cfg.driver_host,
+                    protocol.ENV_SECRET: protocol.worker_key(self.secret),
                     protocol.ENV_DRIVER_PID: str(os.getpid()),
                     protocol.ENV_DRIVER_GRACE: str(self.cfg.driver_grace)})
         try:

@@ -117,7 +117,7 @@ class Driver:
                              stop_timeout=config.stop_timeout, stall_timeout=config.stall_timeout,
                              preempted_hold=config.preempted_hold, stragglers=config.stragglers)
         self.hosts = HostManager(config.cooldown_range)
-        self.secret = config.secret or secrets.token_hex(32)
+        self.secret, self.worker_secret = control.job_keys(config.secret or secrets.token_hex(32))
         self.sink = config.console or console.Console(config.output_dir)
         self.job = Job()
         self.workers = {}          # live workers by id
@@ -155,7 +155,7 @@ class Driver:
         if not serving:
             self._first_discovery()                 # the hosts decide where to listen
         try:
-            self.plane = DriverControl(self.hosts.discovered(), self._local_names, self.secret,
+            self.plane = DriverControl(self.hosts.discovered(), self._local_names, self.worker_secret,
                                        self.cfg.network_interface, serving, self.cfg.port)
         except (OSError, RuntimeError) as exc:
             raise JobFailed(f"cannot listen on port {self.cfg.port}: "
@@ -431,7 +431,7 @@ class Driver:
         env.update({
             control.ENV_ADDR: self.plane.binding.local_connect_address(),
             control.ENV_PORT: str(self.store_port),
-            control.ENV_SECRET: self.secret, control.ENV_WORKER_ID: wid,
+            control.ENV_SECRET: self.worker_secret, control.ENV_WORKER_ID: wid,
             "PYTHONUNBUFFERED": "1",
             control.ENV_ROUND_TIMEOUT: str(max(self.cfg.elastic_timeout,
                                                self.cfg.stall_timeout) + 120),

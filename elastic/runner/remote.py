@@ -8,8 +8,9 @@ process's stdin::
 
 This program then
 
-* writes the secret to a fresh 0600 file and hands the worker its path in
-  ELASTIC_SECRET_FILE (ELASTIC_SECRET itself is never set),
+* hands the worker the secret on a pipe, whose read end it names in
+  ELASTIC_SECRET_FD (ELASTIC_SECRET itself is never set, and nothing is written
+  to disk, so nothing is left behind even when this program is SIGKILLed),
 * starts the command in its own session, in ``cwd``, with the login
   environment of the remote host updated by ``env``,
 * forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to it,
@@ -29,15 +30,18 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 
 # The same names as elastic.control (a test checks that they agree).
 SECRET_ENV = "ELASTIC_SECRET"
 SECRET_FILE_ENV = "ELASTIC_SECRET_FILE"
+SECRET_FD_ENV = "ELASTIC_SECRET_FD"
 ADDR_ENV = "ELASTIC_STORE_ADDR"
 
 BOOTSTRAP_FAILED = 127       # like a shell that cannot run the command
+WEAK_SECRET = 2              # a usage error: the job secret is too short or the example's
+MIN_SECRET_BYTES = 16        # elastic.auth's (a test checks that they agree)
+EXAMPLE_SECRETS = (b"replace-me-with-openssl-rand-hex-32",)
 MAX_SPEC_BYTES = 16 << 20
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _PR_SET_PDEATHSIG = 1
@@ -80,11 +84,12 @@ def ssh_client_address(environ=None):
     return fields[0] if fields else ""
 
 
-def build_env(spec, secret_path, environ=None):
+def build_env(spec, secret_fd, environ=None):
     env = dict(os.environ if environ is None else environ)
     env.update(spec.get("env") or {})
     env.pop(SECRET_ENV, None)
-    env[SECRET_FILE_ENV] = secret_path
+    env.pop(SECRET_FILE_ENV, None)
+    env[SECRET_FD_ENV] = str(secret_fd)
     if not env.get(ADDR_ENV):
         env[ADDR_ENV] = ssh_client_address(environ)
     if spec.get("cwd"):
@@ -92,13 +97,16 @@ def build_env(spec, secret_path, environ=None):
     return env
 
 
-def write_secret(secret):
-    fd, path = tempfile.mkstemp(prefix="elastic-secret-")   # mode 0600
+def secret_pipe(secret):
+    """The read end of a pipe that holds ``secret`` (bytes) and then ends."""
+    read_end, write_end = os.pipe()
     try:
-        os.write(fd, secret.encode())
+        view = memoryview(secret)
+        while view:
+            view = view[os.write(write_end, view):]
     finally:
-        os.close(fd)
-    return path
+        os.close(write_end)
+    return read_end
 
 
 def _die_with_parent(parent):
@@ -144,28 +152,29 @@ def main():
         spec = read_spec()
     except (SpecError, OSError) as exc:
         return _fail(str(exc))
-    secret_path = write_secret(str(spec.get("secret") or ""))
+    secret = str(spec.get("secret") or "").encode()
+    if len(secret.strip()) < MIN_SECRET_BYTES or secret.strip() in EXAMPLE_SECRETS:
+        _fail(f"refusing a job secret of {len(secret.strip())} bytes or an example's "
+              f"placeholder (at least {MIN_SECRET_BYTES} bytes)")
+        return WEAK_SECRET
+    secret_fd = secret_pipe(secret)
     try:
-        env = build_env(spec, secret_path)
+        env = build_env(spec, secret_fd)
         # The watcher thread starts after the spawn: preexec_fn needs a lone thread.
-        try:
-            child = subprocess.Popen(
-                spec["command"], cwd=spec.get("cwd") or None, env=env,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()))
-        except OSError as exc:
-            where = f" in {spec.get('cwd')}" if spec.get("cwd") else ""
-            return _fail(f"cannot start {spec['command'][0]!r}{where}: {exc.strerror}")
-        for name in FORWARDED_SIGNALS:
-            signal.signal(getattr(signal, name), lambda sig, _f: _kill_group(child, sig))
-        threading.Thread(target=_watch_stdin, args=(child,), daemon=True,
-                         name="stdin-watch").start()
-        code = child.wait()
+        child = subprocess.Popen(
+            spec["command"], cwd=spec.get("cwd") or None, env=env,
+            stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(secret_fd,),
+            preexec_fn=_die_with_parent(os.getpid()))
+    except OSError as exc:
+        where = f" in {spec.get('cwd')}" if spec.get("cwd") else ""
+        return _fail(f"cannot start {spec['command'][0]!r}{where}: {exc.strerror}")
     finally:
-        try:
-            os.unlink(secret_path)
-        except OSError:
-            pass
+        os.close(secret_fd)           # the worker holds its own copy of the read end
+    for name in FORWARDED_SIGNALS:
+        signal.signal(getattr(signal, name), lambda sig, _f: _kill_group(child, sig))
+    threading.Thread(target=_watch_stdin, args=(child,), daemon=True,
+                     name="stdin-watch").start()
+    code = child.wait()
     return code if code >= 0 else 128 - code
 
 

@@ -8,6 +8,7 @@ import ipaddress
 import math
 import socket
 
+from elastic.auth import weak_secret
 from elastic.runner.agent import AgentConfig, AgentFailed, read_secret_file
 from elastic.runner.agents import AgentHub
 from elastic.runner.discovery import DiscoveryError, parse_host_list
@@ -23,6 +24,9 @@ def read_secret(path):
         secret = read_secret_file(path)
     except AgentFailed as exc:
         raise ValueError(str(exc)) from None
+    problem = weak_secret(secret)
+    if problem:
+        raise ValueError(f"--secret-file {path!r} {problem}")
     try:
         return secret.decode("utf-8")
     except UnicodeDecodeError:

@@ -28,6 +28,7 @@ good; with JOB_END_FILE, the job ends after the epoch during which that file app
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -99,6 +100,14 @@ def main():
     if os.environ.get("ELASTIC_HOSTNAME") == os.environ.get("JOB_BAD_IFACE_HOST", "-"):
         os.environ["GLOO_SOCKET_IFNAME"] = "bogus0"
     elastic.init()
+    if os.environ.get("JOB_SECRET_OUT"):
+        # Tests that act as the driver read the workers' key here: it is gone from our
+        # environment (and /proc/PID/environ) once elastic.init() read it.
+        from elastic.control_store import read_secret_from_env
+        with open(os.path.join(OUT, f"secret.{WID}"), "wb") as f:
+            f.write(read_secret_from_env())
+        with open(os.path.join(OUT, f"child-env.{WID}"), "wb") as f:    # what a child inherits
+            subprocess.run(["env"], stdout=f, check=True)
     first = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_") and "SECRET" not in k}
     with open(os.path.join(OUT, f"env.{WID}.json"), "w") as f:
         json.dump({"start": first, "rank": elastic.rank(), "size": elastic.size(),

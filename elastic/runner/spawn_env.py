@@ -1,0 +1,45 @@
+"""Which variables a driver's spawn request may set on an agent's host.
+
+A spawn request is sealed, but whoever can seal one (the driver, or anyone holding
+the key) would otherwise choose the loader and interpreter of every process the
+agent starts: ``LD_PRELOAD`` or ``PYTHONPATH`` is code execution on every agent.
+So names that steer a loader, an interpreter or a shell are dropped from requests
+(one warning per name) unless the agent is started with an explicit allow-list:
+``ELASTIC_AGENT_ALLOW_ENV="PYTHONPATH,LD_LIBRARY_PATH"`` (exact names, or a prefix
+ending in ``*``). The agent sets what workers need itself (PYTHONUNBUFFERED).
+"""
+
+import os
+
+ENV_ALLOW = "ELASTIC_AGENT_ALLOW_ENV"
+DENIED_PREFIXES = ("LD_", "DYLD_", "PYTHON", "GCONV_", "MALLOC_", "BASH_FUNC_", "PERL",
+                   "RUBY", "NODE_", "JAVA_TOOL", "_JAVA_", "GLIBC_")
+DENIED_NAMES = frozenset({"BASH_ENV", "ENV", "PATH", "IFS", "SHELLOPTS", "BASHOPTS", "PS4",
+                          "HOSTALIASES", "LOCALDOMAIN", "RES_OPTIONS", "NLSPATH", "LOCPATH",
+                          "TMPDIR", "HOME", "SHELL", "CDPATH", "PROMPT_COMMAND"})
+
+
+def allow_list(environ=None):
+    """The agent's explicit allow-list (names, or prefixes ending in *)."""
+    text = (os.environ if environ is None else environ).get(ENV_ALLOW, "")
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def allowed(name, allow=()):
+    for pattern in allow:
+        if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
+            return True
+    return name not in DENIED_NAMES and not name.startswith(DENIED_PREFIXES)
+
+
+def split(requested, allow=()):
+    """({name: value} the agent applies, [names it drops]) of a spawn request's env."""
+    kept, dropped = {}, []
+    for name, value in requested.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            continue
+        if allowed(name, allow):
+            kept[name] = str(value)
+        else:
+            dropped.append(name)
+    return kept, sorted(dropped)

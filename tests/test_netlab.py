@@ -1,0 +1,116 @@
+"""Network faults between hosts of their own (tests/netlab.py): the driver and each
+worker host in its own network namespace on one bridge, workers started through
+elasticrun's remote path. Skipped, with one reason, where namespaces are refused."""
+
+import time
+
+import pytest
+from netlab import Unsupported, lab, lab_job  # noqa: F401  (lab: the fixture)
+
+pytestmark = pytest.mark.slow
+
+DRIVER_CUT_S = 40
+
+
+def driver_lines(job):
+    return [line for line in job.output().splitlines() if line.startswith("elasticrun:")]
+
+
+def test_the_drivers_link_down_for_40_s_then_up_the_job_finishes_and_nobody_is_blacklisted(
+        lab, tmp_path):  # noqa: F811
+    """Every heartbeat stops at once: the driver takes it for its own network, evicts
+    nobody, and the workers (whose store calls wait and reconnect) go on once it is back."""
+    driver, a, b = lab.host("driver"), lab.host("a"), lab.host("b")
+    job = lab_job(tmp_path, lab, driver, ["-np", "2", "-H", f"{a.addr}:1,{b.addr}:1",
+                                          "--worker-timeout", "10"],
+                  env={"JOB_HOLD": "3", "JOB_EPOCHS": "2"}).start()
+    try:
+        job.wait_step(3)
+        lab.link_down(driver)
+        cut_at = time.monotonic()
+        job.wait_for(lambda: "every heartbeat stopped at once" in job.output(),
+                     "the driver to see every heartbeat stop at once", timeout=120)
+        while time.monotonic() - cut_at < DRIVER_CUT_S:     # the fault's length, not a check
+            time.sleep(0.5)
+        lab.link_up(driver)
+        job.wait_for(lambda: "heartbeats are back" in job.output(), "heartbeats to come back",
+                     timeout=180)
+        job.release(3)
+        code = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    job.assert_ok(code, epochs=2, final_size=2)
+    lines = driver_lines(job)
+    assert not any("blacklisting" in line or "sent no heartbeat" in line for line in lines), lines
+    assert "every heartbeat stopped at once" in job.output()
+
+
+@pytest.mark.parametrize("one_way", [False, True], ids=["both-ways", "one-way"])
+def test_a_worker_cut_from_the_store_but_not_from_its_peers_is_evicted_and_the_rest_go_on(
+        lab, tmp_path, one_way):  # noqa: F811
+    """Host c loses the driver (blackhole routes; one way: only c's packets to the
+    driver are dropped) while a and b still reach it and c still reaches its peers:
+    c is evicted after --worker-timeout and blacklisted, a and b finish the job."""
+    driver, a, b, c = lab.host("driver"), lab.host("a"), lab.host("b"), lab.host("c")
+    job = lab_job(tmp_path, lab, driver, ["-np", "3", "--min-np", "2",
+                                          "-H", f"{a.addr}:1,{b.addr}:1,{c.addr}:1",
+                                          "--worker-timeout", "10"],
+                  env={"JOB_HOLD": "3", "JOB_EPOCHS": "2"}).start()
+    try:
+        job.wait_step(3, size=3)
+        lab.cut(c, driver, one_way=one_way)
+        job.wait_for(lambda: f"blacklisting host {c.addr}" in job.output(),
+                     f"host {c.addr} to be blacklisted", timeout=180)
+        job.release(3)
+        code = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    job.assert_ok(code, epochs=2, final_size=2)
+    lines = driver_lines(job)
+    assert any(f"on {c.addr} sent no heartbeat" in line for line in lines), lines
+    assert not any(f"blacklisting host {h.addr}" in line for h in (a, b) for line in lines), \
+        lines
+    assert "every heartbeat stopped at once" not in job.output()
+
+
+def test_delay_and_loss_on_one_workers_link_evict_nobody(lab, tmp_path):  # noqa: F811
+    driver, a, b = lab.host("driver"), lab.host("a"), lab.host("b")
+    try:
+        lab.netem(b, "delay", "50ms", "10ms", "loss", "2%")
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    job = lab_job(tmp_path, lab, driver, ["-np", "2", "-H", f"{a.addr}:1,{b.addr}:1"],
+                  env={"JOB_EPOCHS": "2"})
+    code = job.run()
+    job.assert_ok(code, epochs=2, final_size=2)
+    assert "evict" not in job.output()
+
+
+def test_a_host_partitioned_from_its_peers_while_all_reach_the_store_is_blamed(
+        lab, tmp_path):  # noqa: F811
+    """Host c loses its links to a and b (blackhole routes both ways) but still reaches
+    the driver: the round cannot form with it, the repeating group error is decided
+    (issue 26, part 1): c is blamed and blacklisted, a and b finish the job."""
+    driver, a, b, c = lab.host("driver"), lab.host("a"), lab.host("b"), lab.host("c")
+    job = lab_job(tmp_path, lab, driver, ["-np", "3", "--min-np", "2",
+                                          "-H", f"{a.addr}:1,{b.addr}:1,{c.addr}:1",
+                                          "--worker-timeout", "10", "--stall-timeout", "20"],
+                  env={"JOB_HOLD": "3", "JOB_EPOCHS": "2", "ELASTIC_COLLECTIVE_TIMEOUT": "15"}
+                  ).start()
+    try:
+        job.wait_step(3, size=3)
+        lab.cut(c, a)
+        lab.cut(c, b)
+        job.release(3)
+        job.wait_for(lambda: f"blacklisting host {c.addr}" in job.output(),
+                     f"host {c.addr} to be blacklisted", timeout=240)
+        code = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    job.assert_ok(code, epochs=2, final_size=2)
+    lines = driver_lines(job)
+    assert not any(f"blacklisting host {h.addr}" in line for h in (a, b) for line in lines), \
+        lines
