@@ -404,14 +404,7 @@ class Agent:
         env = dict(os.environ)
         env.pop(protocol.ENV_SECRET, None)
         env.pop(protocol.ENV_SECRET_FILE, None)     # workers get their own key (worker_key)
-        kept, dropped = spawn_env.split(job_env if isinstance(job_env, dict) else {},
-                                        spawn_env.allow_list())
-        for name in set(dropped) - self._dropped_names:
-            self._dropped_names.add(name)
-            log.warning("a spawn request set %s: ignored (an agent applies loader and "
-                        "interpreter variables only when %s names them)", name,
-                        spawn_env.ENV_ALLOW)
-        env.update(kept)
+        env.update(spawn_env.request_env(job_env, self._dropped_names, log.warning))
         env.update({"PYTHONUNBUFFERED": "1", protocol.ENV_ADDR: self.cfg.driver_host,
                     protocol.ENV_SECRET: protocol.worker_key(self.secret),
                     protocol.ENV_DRIVER_PID: str(os.getpid()),

@@ -43,3 +43,14 @@ def split(requested, allow=()):
         else:
             dropped.append(name)
     return kept, sorted(dropped)
+
+
+def request_env(requested, warned, warn):
+    """What of a spawn request's env the agent applies; one ``warn`` per dropped name
+    (``warned`` remembers them)."""
+    kept, dropped = split(requested if isinstance(requested, dict) else {}, allow_list())
+    for name in set(dropped) - warned:
+        warned.add(name)
+        warn(f"a spawn request set {name}: ignored (an agent applies loader and interpreter "
+             f"variables only when {ENV_ALLOW} names them)")
+    return kept
