@@ -152,7 +152,6 @@ class Agent:
         self.ended = []                    # ids of this agent's workers that exited
         self.acked_beat = 0
         self._signals = []
-        self._dropped_names = set()     # variables of spawn requests warned about
 
     # -- joining --------------------------------------------------------------------
     def join(self):
@@ -400,15 +399,11 @@ class Agent:
                     worker.kill(int(message.get("signal", signal.SIGKILL)))
 
     def spawn_worker(self, worker_id, job_env):
-        """Start a worker the driver asked for, with what its request may set (spawn_env)."""
-        env = dict(os.environ)
-        env.pop(protocol.ENV_SECRET, None)
-        env.pop(protocol.ENV_SECRET_FILE, None)     # workers get their own key (worker_key)
-        env.update(spawn_env.request_env(job_env, self._dropped_names, log.warning))
-        env.update({"PYTHONUNBUFFERED": "1", protocol.ENV_ADDR: self.cfg.driver_host,
-                    protocol.ENV_SECRET: protocol.worker_key(self.secret),
-                    protocol.ENV_DRIVER_PID: str(os.getpid()),
-                    protocol.ENV_DRIVER_GRACE: str(self.cfg.driver_grace)})
+        env = spawn_env.worker_env(job_env, log.warning, {
+            "PYTHONUNBUFFERED": "1", protocol.ENV_ADDR: self.cfg.driver_host,
+            protocol.ENV_SECRET: protocol.worker_key(self.secret),     # never the job secret
+            protocol.ENV_DRIVER_PID: str(os.getpid()),
+            protocol.ENV_DRIVER_GRACE: str(self.cfg.driver_grace)})
         try:
             self.workers[worker_id] = launcher.start_local(
                 worker_id, self.cfg.host_name, self.cfg.command, env, self.sink)

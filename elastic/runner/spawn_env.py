@@ -11,6 +11,8 @@ ending in ``*``). The agent sets what workers need itself (PYTHONUNBUFFERED).
 
 import os
 
+from elastic.protocol import ENV_SECRET, ENV_SECRET_FD, ENV_SECRET_FILE
+
 ENV_ALLOW = "ELASTIC_AGENT_ALLOW_ENV"
 DENIED_PREFIXES = ("LD_", "DYLD_", "PYTHON", "GCONV_", "MALLOC_", "BASH_FUNC_", "PERL",
                    "RUBY", "NODE_", "JAVA_TOOL", "_JAVA_", "GLIBC_")
@@ -45,6 +47,9 @@ def split(requested, allow=()):
     return kept, sorted(dropped)
 
 
+_WARNED = set()       # names this agent already warned about
+
+
 def request_env(requested, warned, warn):
     """What of a spawn request's env the agent applies; one ``warn`` per dropped name
     (``warned`` remembers them)."""
@@ -54,3 +59,13 @@ def request_env(requested, warned, warn):
         warn(f"a spawn request set {name}: ignored (an agent applies loader and interpreter "
              f"variables only when {ENV_ALLOW} names them)")
     return kept
+
+
+def worker_env(requested, warn, own, base=None):
+    """The environment of a worker an agent starts: the agent's own (``base``, default
+    os.environ) without any secret, what the request may set, then ``own``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in (ENV_SECRET, ENV_SECRET_FILE, ENV_SECRET_FD)}
+    env.update(request_env(requested, _WARNED, warn))
+    env.update(own)
+    return env
