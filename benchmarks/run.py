@@ -21,6 +21,8 @@ Sections (worker scripts in this folder):
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
+  fsdp      fsdp_bench.py: ShardedState (FSDP2) on 4 workers: bytes held per rank, commit
+            with vs without redundancy, a 3 -> 4 reshard vs bytes moved / link bandwidth
 BENCH_ONLY=steady,commit,... runs a subset (written to results-partial.md, so the full
 table stays); BENCH_QUICK=1 uses fewer repeats; BENCH_STEADY_REPS sets the steady ones.
 """
@@ -692,6 +694,35 @@ def bench_adascale():
                  "one float64, queued behind the last bucket")
 
 
+# -- FSDP2 sharded state -------------------------------------------------------------------
+@section("fsdp")
+def bench_fsdp():
+    reps = 6 if QUICK else 20
+    rs = common.launch(BENCH / "fsdp_bench.py", 4, [reps], timeout=600)
+    full = rs[0]["full"]
+    worst = max(r["live"] + r["held"] for r in rs)
+    target = 0.75 * 1.1
+    row("ShardedState, FSDP2 MLP + AdamW, 4 workers, redundancy 1: bytes of training state "
+        "per rank (live shard + commit + one copy), worst rank, vs the full state "
+        f"({mb(full)})", mb(worst), f"{mb(2 * full)} (a replica: live + commit)",
+        f"{worst / full:.2f}× of the full state", "≤ 0.83× (3/4 + 10 %)",
+        yes(worst / full <= target))
+    with_copy = median([t for r in rs for t in r["commit"]["1"]])
+    without = median([t for r in rs for t in r["commit"]["0"]])
+    row("ShardedState commit, 4 workers: redundancy 1 vs 0 (copies sent to a neighbour)",
+        ms(with_copy), ms(without), f"{with_copy / without:.2f}×", "report", "—")
+    moved = max(r["reshard_received"] for r in rs)
+    bw = rs[1]["bandwidth"]
+    took = median([max(ts) for ts in zip(*(r["reshard"] for r in rs))])
+    ideal = moved / bw
+    row(f"reshard 3 → 4 workers (a newcomer): time vs most bytes one rank received "
+        f"({mb(moved)}) / link bandwidth measured by gloo send/recv ({bw / 1e9:.2f} GB/s)",
+        ms(took), ms(ideal), f"{took / ideal:.2f}×", "≤ 1.5×", yes(took / ideal <= 1.5))
+    NOTES.append("fsdp: steady throughput against the same FSDP2 script under torchrun is not "
+                 "measured yet; reshard rows move the committed layout of the model above "
+                 "between live ranks of one round (no membership change in the bench)")
+
+
 def table():
     head = ["metric", "elastic", "baseline", "ratio", "target", "met?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -717,7 +748,7 @@ def main():
                      ("recovery", bench_recovery), ("restart", bench_restart),
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
                      ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale),
-                     ("ddp", bench_ddp)):
+                     ("ddp", bench_ddp), ("fsdp", bench_fsdp)):
         if not only or name in only:
             fn()
     recovery_rows()

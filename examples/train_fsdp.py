@@ -1,6 +1,6 @@
 """FSDP2 training whose shards survive a crash and follow a scale-up (docs/fsdp.md).
 
-    elasticrun -np 3 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh \\
+    elasticrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./hosts.sh \\
         python examples/train_fsdp.py --crash-at-step 4
 
 Each worker holds a shard of the model and of AdamW's state, plus a copy of its

@@ -6,6 +6,7 @@ script (tests/workloads/fsdp_job.py), plus the shard plan's pure logic.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -134,3 +135,24 @@ def test_unsupported_fsdp2_options_refused_and_a_commit_restored_in_place():
     assert "1-D mesh" in out["hsdp"] and "\n" not in out["hsdp"]
     assert out["restored"] and out["step"] == 1 and out["moved"] == 0
 
+
+@pytest.mark.slow
+def test_fsdp_example_goes_through_a_crash_and_a_scale_up(tmp_path):
+    """examples/train_fsdp.py: 2 workers, the last one SIGKILLed at step 4 (the survivor
+    goes on from its own shard and its copy of the other), then a host added: the
+    newcomer receives its shard, and the loss still falls."""
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "2"],
+              hosts=["localhost:1", "127.0.0.1:1"], script=REPO / "examples" / "train_fsdp.py",
+              script_args=["--steps", "100000", "--crash-at-step", "4"]).start()
+    job.wait_for(lambda: ": 1 workers, loss" in job.output(), "the survivor's steps")
+    job.set_hosts(["localhost:1", "127.0.0.2:1"])
+    job.wait_for(lambda: "step" in job.output().split(": 1 workers, loss")[-1] and
+                 ": 2 workers, loss" in job.output().split(": 1 workers, loss")[-1],
+                 "steps at 2 workers after the crash")
+    job.proc.send_signal(signal.SIGTERM)                      # elasticrun stops the job
+    job.finish()
+    lines = [line for line in job.output().splitlines() if " workers, loss " in line]
+    sizes = [int(line.split(": ")[1].split()[0]) for line in lines]
+    assert sizes[0] == 2 and sizes[-1] == 2 and 1 in sizes, lines
+    losses = [float(line.rsplit(" ", 1)[1]) for line in lines]
+    assert losses[-1] < losses[0] / 2, lines

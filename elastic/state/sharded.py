@@ -265,6 +265,9 @@ def _parts():
 
 def _round_group():
     group = torch_world.current()
+    if group is None and runtime.worker() is not None:
+        runtime.ensure_joined()            # between rounds inside elasticrun: join
+        group = torch_world.current()
     if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         group = torch.distributed.group.WORLD
     return group
