@@ -136,6 +136,28 @@ def test_unsupported_fsdp2_options_refused_and_a_commit_restored_in_place():
     assert out["restored"] and out["step"] == 1 and out["moved"] == 0
 
 
+def test_sharded_checkpoint_written_by_3_workers_resumes_on_2(fsdp_jobs, tmp_path):
+    """Each of 3 workers writes its shards (in the background); a new job of 2 workers
+    reads only the files it needs and carries on to the same result as the fixed run."""
+    ckpt = tmp_path / "ckpt"
+    first = Job(tmp_path / "a", ["-np", "3", "-H", "localhost:3"], script=FSDP_JOB,
+                env={"FSDP_STEPS": str(STEPS // 2), "FSDP_CKPT": str(ckpt)})
+    assert first.run() == 0, first.output()[-4000:]
+    folders = sorted(p.name for p in ckpt.iterdir())
+    assert folders and all(p.endswith("-n3") for p in folders), folders
+    assert not list(ckpt.glob("*/*.tmp*"))
+    second = Job(tmp_path / "b", ["-np", "2", "-H", "localhost:2"], script=FSDP_JOB,
+                 env={"FSDP_STEPS": str(STEPS), "FSDP_CKPT": str(ckpt)})
+    assert second.run() == 0, second.output()[-4000:]
+    a, b = finals(second), finals(fsdp_jobs[0])
+    assert "of 3 shards" in a["resumed_from"] and a["size"] == 2
+    assert min(r["step"] for r in second.steps()) == STEPS // 2 + 1
+    assert a["batches"] == b["batches"]
+    for key in ("params", "moments"):
+        got, want = flat(a[key]), flat(b[key])
+        assert float((got - want).norm() / want.norm()) < 1e-5, key
+
+
 @pytest.mark.slow
 def test_fsdp_example_goes_through_a_crash_and_a_scale_up(tmp_path):
     """examples/train_fsdp.py: 2 workers, the last one SIGKILLed at step 4 (the survivor

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic.exceptions import ElasticError
-from elastic.state import handlers, reshard, shard_plan
+from elastic.state import handlers, reshard, shard_files, shard_plan
 from elastic.state.states import State
 from elastic.worker import collectives, runtime, torch_world
 from elastic.worker.waiting import run_blocking
@@ -72,10 +72,16 @@ class ShardedState(State):
     ``state.model`` and ``state.optimizer`` in the training loop, never objects
     kept from an earlier round. Models built alike on every rank (same seed) start
     equal; after that every rank's shard comes from the last commit.
+    ``checkpoint_dir``: each rank also writes its shard of every commit there, in a
+    background thread (shard_files.py); a job that starts with nothing in memory, or
+    that lost more shards than the redundancy covers, resumes from the newest whole
+    commit there, at any world size.
     """
 
-    def __init__(self, build, redundancy=None, **kwargs):
+    def __init__(self, build, redundancy=None, checkpoint_dir=None, **kwargs):
         super().__init__()
+        self.checkpoint_dir = checkpoint_dir
+        self._files = shard_files.ShardWriter(checkpoint_dir) if checkpoint_dir else None
         self._build = build
         degree = os.environ.get(ENV_REDUNDANCY, "1") if redundancy is None else redundancy
         self.redundancy = int(degree)
@@ -127,6 +133,9 @@ class ShardedState(State):
             flags = torch.tensor(w.commit_flags(), dtype=torch.int32)
             collectives.allreduce_(flags, collectives.Max)
         self._promote(gen)
+        if self._files is not None:
+            me = _rank_size()[0]
+            self._files.write(gen.version, gen.n, me, gen.meta, gen.shards[me], gen.rest)
         if w is not None:
             w.progress.committed()
             w.progress.holds = self._version
@@ -184,9 +193,19 @@ class ShardedState(State):
         self._rebuild()
         mine = [(g.version, g.n, sorted(g.shards)) for g in self._gens if g.whole]
         holdings = collectives.allgather_object(mine) if runtime.worker() else [mine]
-        chosen = shard_plan.choose_version(holdings)
+        try:
+            chosen = shard_plan.choose_version(holdings)
+        except shard_plan.ShardsLost as exc:
+            if not shard_files.whole(self.checkpoint_dir):
+                raise
+            log.warning("%s; resuming from the newest checkpoint", exc)
+            chosen = None
         if chosen is None:
-            self._promote(self._save(0))       # a fresh job: the models as built
+            found = shard_files.whole(self.checkpoint_dir)
+            if found:
+                self._resume_from_files(*found[0], me, n)
+            else:
+                self._promote(self._save(0))       # a fresh job: the models as built
             return self._after(started)
         version, old_n = chosen
         root = min(r for r, held in enumerate(holdings) for v, k, _s in held
@@ -221,6 +240,19 @@ class ShardedState(State):
         self.stats["resumed_from"] = version
         self._promote(self._save(version))    # the new layout, with its copies
         return self._after(started)
+
+    def _resume_from_files(self, version, old_n, folder, me, n):
+        """Load this rank's new shard from the files of a whole commit (only those it needs)."""
+        meta, rest, flats = shard_files.read_for(folder, old_n, n, me)
+        views = {i: reshard.shard_views(meta, old_n, i, f) for i, f in flats.items()}
+        pieces = [p for p in shard_plan.plan(meta, old_n, {i: list(range(n)) for i in
+                                                           range(old_n)}, n) if p.dst == me]
+        shards, _got, _sent = reshard.reshard(None, me, pieces, meta, old_n, n, views)
+        tree = _loads(rest)
+        _parts().load_live(self.model, self.optimizer, tree["parts"], shards)
+        self._load_objects(tree["objects"])
+        self.stats["resumed_from"] = f"{folder} (commit {version} of {old_n} shards)"
+        self._promote(self._save(version))
 
     def _after(self, started):
         for name in self._object_names:

@@ -9,7 +9,8 @@ Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step), final.<rank>.json
 (full parameters and optimizer state gathered at the end, whether this rank's
 shards equal its rows of them, the global batches). FSDP_HOLD="5:5,6:4" keeps
 committing after those steps until the world has 5, then 4 workers; FSDP_KILL=step:rank
-SIGKILLs that rank once, mid-backward.
+SIGKILLs that rank once, mid-backward; FSDP_CKPT=DIR writes each rank's shards there
+(and a job that starts with nothing in memory resumes from them).
 """
 
 import json
@@ -50,7 +51,8 @@ def main():
     y = torch.sin(x[:, :3] * 2)
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=1,
                                      global_batch_size=GLOBAL_BATCH)
-    state = elastic.ShardedState(build, sampler=sampler, epoch=0, step=0, batches=[])
+    state = elastic.ShardedState(build, checkpoint_dir=os.environ.get("FSDP_CKPT"),
+                                 sampler=sampler, epoch=0, step=0, batches=[])
     log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
 
     def train_step():
