@@ -16,6 +16,7 @@ Sections (worker scripts in this folder):
   growth    dp_worker.py growth at 4 and 8 workers
   ops       ops_bench.py: elastic.torch ops (with their pre-op check) vs unchecked collectives
   adascale  adascale_bench.py: LRScaler(rule="adascale") vs the linear rule, step time
+  driverrestart  driver_restart_bench.py: a serving driver SIGKILLed and started again
   ddp       ddp_bench.py: elastic.DDP under elasticrun vs the same script under torchrun;
             a DDP job's change pause vs DistributedOptimizer's
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
@@ -723,6 +724,23 @@ def bench_fsdp():
                  "between live ranks of one round (no membership change in the bench)")
 
 
+@section("driver restart: joining mode")
+def bench_driver_restart():
+    import driver_restart_bench
+    lost, steps, details = [], [], []
+    for _rep in range(1 if QUICK else 2):
+        one, step, detail = driver_restart_bench.run_once()
+        lost.append(one)
+        steps.append(step)
+        details.append(detail)
+    e, b = median(lost), median(steps)
+    row("driver restart (elasticrun --serve SIGKILLed, the same command run again; 2 agents): "
+        "training time lost from the kill to the adopted round's first step, the restart "
+        "excluded (workers train on meanwhile) vs one steady step",
+        secs(e), ms(b), f"{e / b:.0f} steps", "≤ 2 s", yes(e <= 2.0))
+    NOTES.append("driver restart, per repeat: " + "; ".join(details))
+
+
 def table():
     head = ["metric", "elastic", "baseline", "ratio", "target", "met?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -748,7 +766,8 @@ def main():
                      ("recovery", bench_recovery), ("restart", bench_restart),
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
                      ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale),
-                     ("ddp", bench_ddp), ("fsdp", bench_fsdp)):
+                     ("ddp", bench_ddp), ("fsdp", bench_fsdp),
+                     ("driverrestart", bench_driver_restart)):
         if not only or name in only:
             fn()
     recovery_rows()

@@ -100,3 +100,25 @@ def test_a_job_without_checkpoint_dir_is_warned_once():
     assert "outside joining mode" not in no_checkpoint_warning({}, {}, serving=True)
     assert no_checkpoint_warning({ENV_CHECKPOINT_DIR: "/c"}, {}, serving=False) is None
     assert no_checkpoint_warning({}, {ENV_CHECKPOINT_DIR: "/c"}, serving=True) is None
+
+
+def test_the_adopted_round_re_forms_from_its_workers():
+    """decide() publishes the next round with the adopted workers: none of them counts as
+    left out of a round the new driver never had (its predecessor's)."""
+    from elastic.runner.decisions import Facts, Limits, WorkerView
+    from elastic.runner.policy import decide
+    from elastic.runner.stalls import Liveness
+    hosts = HostManager(None)
+    hosts.update({"node-a": 1, "node-b": 1}, 0.0)
+
+    def view(wid, host):
+        liveness = Liveness(beat_at=10.0, progress_at=10.0)
+        liveness.update({"beat": 5, "holds": 7, "commits": 3, "waits": 4}, 11.0)
+        return WorkerView(wid, host, 0, 10.0, ready=True, beats=5, heartbeat_at=11.0,
+                          liveness=liveness)
+    facts = Facts(job=with_floor(Job(), 4, {"0", "1"}), limits=Limits(np=2, min_np=2),
+                  hosts=hosts, workers={"0": view("0", "node-a"), "1": view("1", "node-b")},
+                  liveness_checked=True)
+    published = [a for a in decide(facts, 12.0) if isinstance(a, Publish)]
+    assert len(published) == 1 and published[0].round_id == 5
+    assert {m["worker_id"] for m in published[0].members} == {"0", "1"}

@@ -97,7 +97,9 @@ def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job, tmp_path
         assert "does not answer; keeping 1 worker(s)" in text
         assert "answers again;" not in text, text[-3000:]
     job.restart_driver()
-    job.wait_for(lambda: "adopted worker(s) are back" in job.output(), "the adoption")
+    job.wait_for(lambda: any(e["event"] == "round_assembled" and e["round"] > before
+                             for e in map(json.loads, events.read_text().splitlines())),
+                 "the adopted round")      # the workers hold at step 9 until it formed
     job.release(9)
     code = job.finish()
     job.assert_ok(code, final_size=2)

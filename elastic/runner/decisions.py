@@ -96,8 +96,10 @@ class Job:
     def left_out(self, worker_id) -> bool:
         """Admitted to a kept round but not a member of the current one: it exits once it
         reads the newer plan, so it is never planned again (a shrink, then a regrow before
-        its process ended, would otherwise take back a worker that is leaving)."""
-        return worker_id not in self.member_set and self.admitted(worker_id)
+        its process ended, would otherwise take back a worker that is leaving). Without a
+        current round (a restarted driver adopting its predecessor's round) nobody is."""
+        return bool(self.members) and worker_id not in self.member_set \
+            and self.admitted(worker_id)
 
 
 # -- facts ------------------------------------------------------------------------------------
