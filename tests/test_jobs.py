@@ -23,6 +23,8 @@ def test_fixed_hosts_train_to_the_end(tmp_path):
     assert sizes_in_order(records) == [2]
     assert hosts_by_rank(records, 1) == {0: "localhost", 1: "127.0.0.1"}
     assert finals[0]["step"] == 3 * 48 // 8
+    # No --checkpoint-dir: one warning, after the first round (bad input stays one line).
+    assert job.output().count("no --checkpoint-dir") == 1, job.output()
     # ELASTIC_* hold the first round's values; one file per worker under --output-filename.
     for env in job.worker_envs():
         assert env["joined"]["ELASTIC_RANK"] == str(env["rank"])

@@ -397,9 +397,7 @@ def main(argv=None):
                              ranks=output_ranks(args.output_ranks),
                              error_dir=config.extra_env[protocol.ENV_ERROR_DIR],
                              keep_error_files=bool(args.output_dir))
-    line = no_checkpoint_warning(config.extra_env, os.environ, serving=args.serve)
-    if line:
-        logging.getLogger("elasticrun").warning("%s", line)
+    config.start_warning = no_checkpoint_warning(config.extra_env, os.environ, serving=args.serve)
     try:
         return run_job(config)
     finally:

@@ -103,6 +103,7 @@ class JobConfig:
     metrics_port: int = None          # serve Prometheus metrics here (runner/metrics.py)
     tensorboard: str = None           # write TensorBoard scalars in this directory
     stragglers: object = None         # stragglers.StragglerRule (None: its defaults)
+    start_warning: str = None         # printed once, after the first round's line
 
 
 class Driver:
@@ -161,7 +162,7 @@ class Driver:
             raise JobFailed(f"cannot listen on port {self.cfg.port}: "
                             f"{' '.join(str(exc).split())[:200]}") from None
         self.store_port, self.control = self.plane.port, self.plane.store
-        self.reporter = RoundReporter(self.events, self.control)
+        self.reporter = RoundReporter(self.events, self.control, self.cfg.start_warning)
         self.watch = Watch(self)                    # status, steering, metrics (elasticctl)
         if serving:
             self.cfg.backend.attach(self.plane.binding.local_connect_address(), self.store_port,

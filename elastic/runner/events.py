@@ -43,9 +43,10 @@ class EventLog:
 class RoundReporter:
     """Console round lines with pause durations, and the live progress line."""
 
-    def __init__(self, events, control):
+    def __init__(self, events, control, start_warning=None):
         self.events = events
         self.control = control
+        self._start_warning = start_warning   # once the job runs: bad input stays one line
         self._pending = None          # (round, line, published_at)
         self._progress_wid = None
         self._last_progress = None    # (step, at)
@@ -73,6 +74,9 @@ class RoundReporter:
         self._last_progress = None
         if round_id == 1:
             log.info(line)
+            if self._start_warning:
+                log.warning("%s", self._start_warning)
+                self._start_warning = None
         else:
             self._pending = (round_id, line, now)
 
