@@ -399,6 +399,8 @@ def _evolve_more(job, action):
                                                                          action.durable))
     if isinstance(action, MarkHolderless):
         return r(job, holderless_since=action.since)
+    if isinstance(action, Left) and action.commit is not None:
+        return r(job, commit=max(job.commit, int(action.commit)))   # newer than its beats
     if isinstance(action, MarkStraggler):
         return r(job, stragglers=job.stragglers | {action.worker_id})
     return job
