@@ -32,6 +32,7 @@ ENV_PORT = "ELASTIC_STORE_PORT"
 ENV_WORKER_ID = "ELASTIC_WORKER_ID"
 ENV_DRIVER_PID = "ELASTIC_DRIVER_PID"        # local workers exit if their parent is not it
 ENV_DRIVER_GRACE = "ELASTIC_DRIVER_GRACE"    # joining mode: workers outlive the driver (agent decides)
+ENV_AGENT_ALLOW_ENV = "ELASTIC_AGENT_ALLOW_ENV"   # agents: spawn variables let through (runner/spawn_env.py)
 ENV_ROUND_TIMEOUT = "ELASTIC_ROUND_TIMEOUT"  # seconds a worker waits for its next round
 ENV_HEARTBEAT_INTERVAL = "ELASTIC_HEARTBEAT_INTERVAL"
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"  # --checkpoint-dir, for every TorchState

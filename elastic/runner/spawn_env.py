@@ -11,9 +11,9 @@ ending in ``*``). The agent sets what workers need itself (PYTHONUNBUFFERED).
 
 import os
 
-from elastic.protocol import ENV_SECRET, ENV_SECRET_FD, ENV_SECRET_FILE
+from elastic.protocol import ENV_AGENT_ALLOW_ENV, ENV_SECRET, ENV_SECRET_FD, ENV_SECRET_FILE
 
-ENV_ALLOW = "ELASTIC_AGENT_ALLOW_ENV"
+ENV_ALLOW = ENV_AGENT_ALLOW_ENV
 DENIED_PREFIXES = ("LD_", "DYLD_", "PYTHON", "GCONV_", "MALLOC_", "BASH_FUNC_", "PERL",
                    "RUBY", "NODE_", "JAVA_TOOL", "_JAVA_", "GLIBC_")
 DENIED_NAMES = frozenset({"BASH_ENV", "ENV", "PATH", "IFS", "SHELLOPTS", "BASHOPTS", "PS4",
