@@ -111,15 +111,18 @@ def _lose_every_holder(started, tmp_path, args=(), env=None, end=signal.SIGKILL)
     and newcomer) is published, the old worker is SIGSTOPped before it can sync anyone,
     then SIGKILLed: only the newcomer, which holds nothing, is left."""
     job = run(started, tmp_path, ["-np", "1", "--min-np", "1"] + list(args),
-              dict({"JOB_HOLD": "12"}, **(env or {})), hosts=["127.0.0.1:1"])
+              dict({"JOB_HOLD": "12", "JOB_SECRET_OUT": "1"}, **(env or {})),
+              hosts=["127.0.0.1:1"])
     job.start()
     job.wait_step(12)
     (old, env), = job_workers(job.out).items()
     # What the driver will know: the holder's heartbeat (read with the job's secret, as the
     # driver does) reports the commit it holds, and the checkpoint it wrote, if any.
-    store = ControlStore(control.connect("127.0.0.1", env[control.ENV_PORT], 30),
-                         env[control.ENV_SECRET])
     wid = env["ELASTIC_WORKER_ID"]
+    # The workers' key, as the worker wrote it down (JOB_SECRET_OUT): it is no longer
+    # in its environment.
+    key = (job.out / f"secret.{wid}").read_bytes()
+    store = ControlStore(control.connect("127.0.0.1", env[control.ENV_PORT], 30), key)
     durable = 10 if "--checkpoint-dir" in args else -1
     wait_until(lambda: (store.get(Keys.heartbeat(wid)) or {}).get("holds", -1) >= 12
                and store.get(Keys.heartbeat(wid)).get("durable", -1) >= durable,
