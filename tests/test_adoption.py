@@ -81,7 +81,7 @@ def test_state_dir_round_trip_and_a_damaged_file(tmp_path):
     assert again.failures("a") == 1 and again.is_blacklisted("a", 505.0)
     assert not again.is_blacklisted("a", 506.5)            # the 6 s of cooldown left
     (tmp_path / FILE).write_text("{not json")
-    assert StateDir(str(tmp_path)).load() == (0, 0, 0, {})
+    assert StateDir(str(tmp_path)).read_back() == (0, 0, 0, {})
     assert decode({"round": -3, "next_worker": "x", "blacklist": []}) == (0, 0, 0, {})
     StateDir(None).note(Publish(1, (), "start"), job, hosts, 0.0)   # no dir: nothing
 

@@ -49,7 +49,7 @@ def decode(data):
 def resume(saved, job, hosts, adoption, now):
     """``job`` with what ``saved`` kept: the blacklist goes back into ``hosts``, the
     newest round becomes ``adoption``'s floor (the next round comes after it)."""
-    floor, next_worker, resets, blacklist = saved.load()
+    floor, next_worker, resets, blacklist = saved.read_back()
     hosts.restore(blacklist, now)
     adoption.floor = max(adoption.floor, floor)
     if floor or next_worker or resets or blacklist:
@@ -70,7 +70,7 @@ class StateDir:
     def path(self):
         return os.path.join(self.directory, FILE) if self.directory else None
 
-    def load(self):
+    def read_back(self):
         """What the previous driver of this job left; zeros when nothing."""
         if not self.directory:
             return decode(None)
