@@ -6,6 +6,7 @@ script (tests/workloads/fsdp_job.py), plus the shard plan's pure logic.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,26 +137,54 @@ def test_unsupported_fsdp2_options_refused_and_a_commit_restored_in_place():
     assert out["restored"] and out["step"] == 1 and out["moved"] == 0
 
 
-def test_sharded_checkpoint_written_by_3_workers_resumes_on_2(fsdp_jobs, tmp_path):
-    """Each of 3 workers writes its shards (in the background); a new job of 2 workers
-    reads only the files it needs and carries on to the same result as the fixed run."""
+def test_losing_more_shards_than_copied_resumes_from_the_sharded_checkpoint(fsdp_jobs, tmp_path):
+    """3 workers write their shards (in the background); two are SIGKILLed at once, more
+    than one copy covers: the survivor resumes from the checkpoint, resharded 3 -> 1 in
+    place. A new job of 2 workers then resumes from the survivor's files (1 -> 2), reading
+    only what it needs, and ends where the fixed 4-worker run does."""
     ckpt = tmp_path / "ckpt"
-    first = Job(tmp_path / "a", ["-np", "3", "-H", "localhost:3"], script=FSDP_JOB,
-                env={"FSDP_STEPS": str(STEPS // 2), "FSDP_CKPT": str(ckpt)})
+    first = Job(tmp_path / "a", ["-np", "3", "--min-np", "1"], script=FSDP_JOB,
+                hosts=["localhost:1", "127.0.0.1:2"],
+                env={"FSDP_STEPS": str(STEPS // 2), "FSDP_CKPT": str(ckpt), "FSDP_KILL": "3:1+2"})
     assert first.run() == 0, first.output()[-4000:]
+    assert sizes_in_order(first.steps()) == [3, 1]
+    assert re.search(r"elastic: warning: no surviving worker holds the training state: "
+                     r"shard\(s\) \[1\] of commit \d+ are lost .*; resuming from the newest "
+                     r"sharded checkpoint \(commit \d+ of 3 shards\)", first.output()), \
+        first.output()[-4000:]
+    assert "of 3 shards" in finals(first)["resumed_from"]
     folders = sorted(p.name for p in ckpt.iterdir())
-    assert folders and all(p.endswith("-n3") for p in folders), folders
+    assert folders[-1].endswith("-n1"), folders
     assert not list(ckpt.glob("*/*.tmp*"))
     second = Job(tmp_path / "b", ["-np", "2", "-H", "localhost:2"], script=FSDP_JOB,
                  env={"FSDP_STEPS": str(STEPS), "FSDP_CKPT": str(ckpt)})
     assert second.run() == 0, second.output()[-4000:]
     a, b = finals(second), finals(fsdp_jobs[0])
-    assert "of 3 shards" in a["resumed_from"] and a["size"] == 2
+    assert "of 1 shards" in a["resumed_from"] and a["size"] == 2
     assert min(r["step"] for r in second.steps()) == STEPS // 2 + 1
     assert a["batches"] == b["batches"]
     for key in ("params", "moments"):
         got, want = flat(a[key]), flat(b[key])
         assert float((got - want).norm() / want.norm()) < 1e-5, key
+
+
+def test_losing_more_shards_than_copied_without_a_checkpoint_stops_with_one_line(tmp_path):
+    """Redundancy 0: the SIGKILL of one of 2 workers loses its shard. The survivor never
+    trains on without it: the job ends with one line and a non-zero exit."""
+    job = Job(tmp_path, ["-np", "2", "--min-np", "1"], script=FSDP_JOB,
+              hosts=["localhost:1", "127.0.0.1:1"],
+              env={"FSDP_STEPS": str(STEPS), "FSDP_KILL": "2:1", "ELASTIC_SHARD_REDUNDANCY": "0"})
+    code = job.run()
+    out = job.output()
+    assert code != 0, out[-4000:]
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"elasticrun: error: no surviving worker holds the training state: "
+                        r"shard\(s\) \[1\] of commit (\d+) are lost \(more workers were lost "
+                        r"than redundancy 0 covers\) and there is no sharded checkpoint to "
+                        r"resume from; the last commit was \1", last), out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert max(r["step"] for r in job.steps()) == 1          # nothing trained after the loss
+    assert not list(job.out.glob("final.*.json"))
 
 
 @pytest.mark.slow

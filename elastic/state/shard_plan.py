@@ -21,6 +21,11 @@ from elastic.exceptions import ElasticError
 class ShardsLost(ElasticError):
     """No survivor holds some shard of the newest commit (more losses than the redundancy)."""
 
+    def __init__(self, line, version=-1, missing=()):
+        super().__init__(line)
+        self.version = version          # the commit whose shards are lost
+        self.missing = list(missing)    # their indices
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -90,9 +95,9 @@ def choose_version(holdings):
     complete = [(v, n) for (v, n), s in covered.items() if s >= set(range(n))]
     if not complete:
         (version, n), held = max(covered.items())
-        raise ShardsLost(f"commit {version}: no surviving worker holds shard(s) "
-                         f"{sorted(set(range(n)) - held)} of {n}; more workers were lost "
-                         "than the redundancy covers")
+        lost = sorted(set(range(n)) - held)
+        raise ShardsLost(f"commit {version}: no surviving worker holds shard(s) {lost} of {n}; "
+                         "more workers were lost than the redundancy covers", version, lost)
     return max(complete)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ import torch
 from elastic.exceptions import ElasticError
 from elastic.state import handlers, reshard, shard_files, shard_plan
 from elastic.state.states import State
-from elastic.worker import collectives, runtime, torch_world
+from elastic.worker import collectives, fatal, runtime, torch_world
 from elastic.worker.waiting import run_blocking
 
 log = logging.getLogger(__name__)
@@ -191,17 +192,30 @@ class ShardedState(State):
         self.sync_stats["syncs"] += 1
         me, n = _rank_size()
         self._rebuild()
+        if self._files is not None:
+            self._files.wait()      # so every survivor lists the same whole checkpoints
         mine = [(g.version, g.n, sorted(g.shards)) for g in self._gens if g.whole]
         holdings = collectives.allgather_object(mine) if runtime.worker() else [mine]
         try:
             chosen = shard_plan.choose_version(holdings)
         except shard_plan.ShardsLost as exc:
-            if not shard_files.whole(self.checkpoint_dir):
-                raise
-            log.warning("%s; resuming from the newest checkpoint", exc)
+            found = shard_files.whole(self.checkpoint_dir)[:1]
+            lost = (f"no surviving worker holds the training state: shard(s) {exc.missing} "
+                    f"of commit {exc.version} are lost (more workers were lost than "
+                    f"redundancy {self.redundancy} covers)")
+            if not found:
+                # Every survivor decides alike (the same holdings): the job stops with
+                # one line, never trains on with missing shards (worker/fatal.py).
+                fatal.stop_job(f"{lost} and there is no sharded checkpoint to resume "
+                               f"from; the last commit was {exc.version}")
+            if me == 0:
+                sys.stderr.write(f"elastic: warning: {lost}; resuming from the newest "
+                                 f"sharded checkpoint (commit {found[0][0]} of "
+                                 f"{found[0][1]} shards)\n")
+                sys.stderr.flush()
             chosen = None
         if chosen is None:
-            found = shard_files.whole(self.checkpoint_dir)
+            found = shard_files.whole(self.checkpoint_dir)[:1]
             if found:
                 self._resume_from_files(*found[0], me, n)
             else:

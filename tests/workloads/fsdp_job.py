@@ -9,8 +9,9 @@ Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step), final.<rank>.json
 (full parameters and optimizer state gathered at the end, whether this rank's
 shards equal its rows of them, the global batches). FSDP_HOLD="5:5,6:4" keeps
 committing after those steps until the world has 5, then 4 workers; FSDP_KILL=step:rank
-SIGKILLs that rank once, mid-backward; FSDP_CKPT=DIR writes each rank's shards there
-(and a job that starts with nothing in memory resumes from them).
+SIGKILLs that rank once, mid-backward (step:1+2 kills both ranks at once); FSDP_CKPT=DIR
+writes each rank's shards there (and a job that starts with nothing in memory resumes
+from them).
 """
 
 import json
@@ -29,7 +30,8 @@ STEPS = int(os.environ.get("FSDP_STEPS", "8"))
 SAMPLES, GLOBAL_BATCH = 120, 60
 HOLDS = dict(tuple(int(v) for v in s.split(":"))
              for s in os.environ.get("FSDP_HOLD", "").split(",") if s)
-KILL = os.environ.get("FSDP_KILL", "")
+KILL_STEP, _, KILL_RANKS = os.environ.get("FSDP_KILL", "0:").partition(":")
+KILL_STEP, KILL_RANKS = int(KILL_STEP), [int(r) for r in KILL_RANKS.split("+") if r]
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
 
 
@@ -61,12 +63,20 @@ def main():
         batch = state.sampler.global_batch_indices(0)
         mine = state.sampler.share_of(batch)
         optimizer.zero_grad()
+        killing = state.step + 1 == KILL_STEP and elastic.rank() in KILL_RANKS and \
+            not os.path.exists(os.path.join(OUT, "killed"))
+        if killing:
+            with open(os.path.join(OUT, f"pid.{elastic.rank()}"), "w") as f:
+                f.write(str(os.getpid()))
         per_sample = ((model(x[mine]) - y[mine]) ** 2).mean(dim=1)
         loss = per_sample.sum() * size / GLOBAL_BATCH     # FSDP2 averages over ranks
-        if KILL == f"{state.step + 1}:{elastic.rank()}" and \
-                not os.path.exists(os.path.join(OUT, "killed")):
+        if killing and elastic.rank() == KILL_RANKS[0]:
+            # Every rank to kill wrote its pid before this forward's collectives: they
+            # all die at once, while their peers are in this backward.
             open(os.path.join(OUT, "killed"), "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)          # peers are in this backward
+            for r in KILL_RANKS[::-1]:
+                with open(os.path.join(OUT, f"pid.{r}")) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
         loss.backward()
         optimizer.step()
         state.sampler.record_global_batch()
