@@ -1,5 +1,5 @@
 """The package's shape: no import cycles, no reaching into another module's private
-names, the worker side never imports the driver, no module over 500 lines."""
+names, the worker side never imports the driver, no module over 500 lines of code."""
 
 import ast
 import importlib
@@ -135,9 +135,30 @@ def test_tests_and_benchmarks_use_public_attributes(path):
     assert not bad, bad
 
 
+def code_lines(source):
+    """Lines that hold code: not blank, not comments, not docstrings. The 500-line rule
+    is about how much a module does; the docstrings that say why stay free."""
+    tree = ast.parse(source)
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for number, line in enumerate(source.splitlines(), 1)
+               if number not in docs and line.strip() and not line.strip().startswith("#"))
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blanks():
+    source = 'def f():\n    """Why.\n\n    More why."""\n    # a comment\n\n    return 1\n'
+    assert code_lines(source) == 2
+    assert code_lines('x = """not a docstring\nbut a value"""\n') == 2
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_modules_stay_small(path):
-    assert len(path.read_text().splitlines()) <= 500
+    assert code_lines(path.read_text()) <= 500
 
 
 # remote.py runs with the standard library only, so it cannot import ElasticError;

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from elastic import protocol
 from elastic.exceptions import WorkersDepartedError
 from elastic.worker import devices, nccl, torch_world, waiting
+from elastic.worker.sliced import AbortWatch, wait_sliced
 
 if TYPE_CHECKING:
     from elastic.worker.runtime import Worker
@@ -126,17 +126,17 @@ def placement_for(membership) -> devices.Placement:
                          membership.local_size, count, membership.hostname)
 
 
-def form_groups(worker: Worker, rendezvous: dist.Store, rank: int, size: int,
+def form_groups(watch: AbortWatch, rendezvous: dist.Store, rank: int, size: int,
                 placement: devices.Placement, what: str) -> tuple[TrackedGroup, TrackedGroup]:
     """(cpu group, device group) of ``size`` ranks met through ``rendezvous``, built
-    off-thread so that an aborted round interrupts the wait.
+    off-thread so that an abort of ``watch``'s round interrupts the wait.
 
     Raises WorkersDepartedError when the round is aborted or a peer never
     connects, PlacementError for an error that would repeat on every try. The
     device group is the cpu group when NCCL is not in use; an NCCL group is
     created eagerly, bound to its device, with a finite timeout.
     """
-    timeout = timedelta(seconds=worker.collective_timeout)
+    timeout = timedelta(seconds=watch.collective_timeout)
     result = {}
 
     def build():
@@ -148,17 +148,14 @@ def form_groups(worker: Worker, rendezvous: dist.Store, rank: int, size: int,
             if placement.backend == "nccl":
                 result["device"] = nccl.new_group(dist.PrefixStore("nccl/", rendezvous), rank,
                                                   size, placement.device,
-                                                  worker.collective_timeout)
+                                                  watch.collective_timeout)
         except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
             result["error"] = exc
 
     builder = threading.Thread(target=build, name="elastic-group-build", daemon=True)
     builder.start()
-    deadline = time.monotonic() + worker.collective_timeout
-    while builder.is_alive():
-        builder.join(waiting.WAIT_SLICE_S)
-        if builder.is_alive() and (worker.round_aborted() or time.monotonic() > deadline):
-            raise WorkersDepartedError(f"{what} did not form")
+    wait_sliced(lambda: not builder.is_alive(), watch.round_aborted, watch.collective_timeout,
+                what, sleep=builder.join, gave_up=f"{what} did not form")
     if "error" in result:
         if devices.is_repeating_error(result["error"]):
             raise devices.PlacementError(f"{what}: {result['error']}")

@@ -8,13 +8,21 @@ now, which lets the driver tell a rank that its peers wait on from one that
 waits itself (DESIGN §4, "No hangs").
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from elastic.protocol import RECONNECT_WITHIN_S, Keys, driver_refuses
 from elastic.worker.driver_contact import port_accepts
+
+if TYPE_CHECKING:
+    from elastic.protocol import ControlStore
+    from elastic.worker.driver_contact import DriverContact
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,24 @@ CONNECT_TIMEOUT_S = 15.0
 DRIVER_GONE_REFUSALS = 3     # failed beats while the driver's port refuses connections
 
 
+@dataclass(frozen=True)
+class BeatLink:
+    """What the heartbeat reads and calls, and nothing more of the worker.
+
+    ``connect()`` opens a new control connection for the beats (the driver's port
+    was just seen to accept); ``status()`` is what a beat carries besides its
+    number (progress, round, latest round, leaving: what an adopting driver reads);
+    ``leave_requested()`` the SIGTERM's number, 0 before one."""
+
+    worker_id: str
+    driver_at: tuple[str, int]
+    contact: DriverContact
+    connect: Callable[[], ControlStore]
+    status: Callable[[], dict]
+    leave_requested: Callable[[], int]
+    leaving: LeavingReport
+
+
 class Heartbeat(threading.Thread):
     """Puts a signed beat (count + progress) on its own store connection; exits the
     process when the driver is gone.
@@ -83,16 +109,16 @@ class Heartbeat(threading.Thread):
     worker from a slow one. ``wake()`` sends a beat at once (a SIGTERM to leave).
     """
 
-    def __init__(self, worker, interval):
+    def __init__(self, link: BeatLink, interval: float):
         super().__init__(name="elastic-heartbeat", daemon=True)
-        self._worker = worker
+        self._link = link
         self._interval = interval
         self._halt = threading.Event()    # not _stop: Thread's own, which a fork calls
         self._wake = threading.Event()
-        self._conn = None
+        self._conn: ControlStore | None = None
         self._beat = 0
 
-    def first_beat(self):
+    def first_beat(self) -> None:
         """Connect and beat once before the worker registers: the driver's heartbeat
         deadline runs from the moment it sees the worker ready."""
         try:
@@ -101,9 +127,10 @@ class Heartbeat(threading.Thread):
         except Exception:  # noqa: BLE001 - the thread retries (and gives up) as usual
             self._conn = None
 
-    def run(self):
+    def run(self) -> None:
         refusals, lost_since = 0, None
-        contact = self._worker.contact
+        link = self._link
+        contact = link.contact
         while not self._halt.is_set():
             try:
                 self._beat += 1
@@ -111,7 +138,7 @@ class Heartbeat(threading.Thread):
                 refusals, lost_since = 0, None
                 if contact.away:
                     # A put may "succeed" on a dead socket; a read needs the driver's answer.
-                    self._conn.fetch(Keys.heartbeat(self._worker.worker_id))
+                    self._conn.fetch(Keys.heartbeat(link.worker_id))
                     contact.back()
                     contact.announce(self._conn)    # a restarted driver adopts us from it
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
@@ -121,7 +148,7 @@ class Heartbeat(threading.Thread):
                 if contact.patient:
                     contact.lost()       # joining mode: the agent decides how long we wait
                 else:
-                    refusals = refusals + 1 if driver_refuses(*self._worker.driver_at) else 0
+                    refusals = refusals + 1 if driver_refuses(*link.driver_at) else 0
                 # A closed port is a driver that is gone; silence may be the network,
                 # which gets as long as the store connections do (RECONNECT_WITHIN_S).
                 if not contact.patient and not self._halt.is_set() and \
@@ -131,27 +158,26 @@ class Heartbeat(threading.Thread):
             self._wake.wait(self._interval)
             self._wake.clear()
 
-    def send(self, beat):
-        w = self._worker
+    def send(self, beat: int) -> None:
+        link = self._link
         if self._conn is None:
-            if w.contact.patient and not port_accepts(*w.driver_at):
+            if link.contact.patient and not port_accepts(*link.driver_at):
                 raise ConnectionRefusedError("the driver is away")   # no store client noise
-            self._conn = w.new_control_connection(timeout=CONNECT_TIMEOUT_S, reconnect_within_s=0)
-        value = dict(w.progress.report(), beat=beat, leaving=w.leave_requested,
-                     round=w.round_id, latest=w.known_latest)   # what an adopting driver reads
-        if w.leave_requested:
-            w.put_leaving(self._conn)
-        self._conn.put(Keys.heartbeat(w.worker_id), value)
+            self._conn = link.connect()
+        value = dict(link.status(), beat=beat)
+        if link.leave_requested():
+            link.leaving.put(self._conn)
+        self._conn.put(Keys.heartbeat(link.worker_id), value)
 
-    def wake(self):
+    def wake(self) -> None:
         self._wake.set()
 
-    def store_stats(self):
+    def store_stats(self) -> tuple[int, int]:
         """(requests, bytes read) on the heartbeat's own connection (its latest one)."""
         conn = self._conn
         return (conn.requests, conn.bytes_read) if conn is not None else (0, 0)
 
-    def stop(self):
+    def stop(self) -> None:
         self._halt.set()
         self._wake.set()
 
@@ -159,17 +185,18 @@ class Heartbeat(threading.Thread):
 class LeavingReport:
     """Keys.leaving, written by the heartbeat (at once, on SIGTERM) and by the training
     thread (with the commit it left at): one lock, and once a commit is named every
-    later write names it too, so the driver's "left at commit N" keeps its number."""
+    later write names it too, so the driver's "left at commit N" keeps its number.
+    ``signal()`` is the SIGTERM's number."""
 
-    def __init__(self, worker):
-        self._worker = worker
+    def __init__(self, worker_id: str, signal: Callable[[], int]):
+        self._worker_id = worker_id
+        self._signal = signal
         self._lock = threading.Lock()
-        self._commit = None
+        self._commit: int | None = None
 
-    def put(self, conn, commit=None):
-        w = self._worker
+    def put(self, conn: ControlStore, commit: int | None = None) -> None:
         with self._lock:
             if commit is not None:
                 self._commit = commit
-            conn.put(Keys.leaving(w.worker_id), {"signal": w.leave_requested,
-                                                 "commit": self._commit})
+            conn.put(Keys.leaving(self._worker_id), {"signal": self._signal(),
+                                                     "commit": self._commit})

@@ -6,8 +6,8 @@ Why this is not gloo's path (docs/architecture.md, "GPU path"):
   the communicator is set up while the round forms (where an abort can
   interrupt the wait) and not lazily inside the first backward hook.
 * NCCL work completes its future when the kernel is enqueued, so a bounded wait
-  polls ``work.is_completed()`` (``wait_polling``) in slices that watch the
-  round's abort key.
+  polls ``work.is_completed()`` (``wait_polling``, through ``sliced.wait_sliced``)
+  in slices that watch the round's abort key.
 * A survivor's GPU stream stays blocked on a dead peer until the communicator
   is aborted, and the next CUDA synchronisation would hang, so an abandoned
   round's NCCL group is aborted (``abort``) before the worker moves on.
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from elastic.exceptions import WorkersDepartedError
 from elastic.worker.devices import PlacementError, apply_nccl_environment
+from elastic.worker.sliced import wait_sliced
 
 
 def available() -> bool:
@@ -66,25 +67,17 @@ def wait_polling(work, slice_s: float, deadline_s: float,
                  sleep: Callable[[float], None] = time.sleep,
                  on_abandon: Callable[[], None] | None = None) -> None:
     """Wait for NCCL ``work`` without ever blocking the CPU unboundedly: poll
-    ``is_completed()``, watching ``aborted()`` between slices."""
-    deadline = clock() + deadline_s
-    pause = min(50e-6, slice_s)       # short first: most work completes within microseconds
-    while True:
+    ``is_completed()`` in slices (sliced.wait_sliced), watching ``aborted()``."""
+
+    def completed():
         try:
-            if work.is_completed():
-                break
+            return work.is_completed()
         except Exception as exc:  # noqa: BLE001 - a failed work means a peer is gone
             raise WorkersDepartedError(f"{what} failed: {exc}") from exc
-        if aborted():
-            if on_abandon is not None:
-                on_abandon()
-            raise WorkersDepartedError(f"{what} abandoned: the round was aborted")
-        if clock() > deadline:
-            if on_abandon is not None:
-                on_abandon()
-            raise WorkersDepartedError(f"{what} timed out")
-        sleep(pause)
-        pause = min(pause * 2, slice_s)
+
+    # Short first slices: most work completes within microseconds.
+    wait_sliced(completed, aborted, deadline_s, what, slice_s=slice_s, first_s=50e-6,
+                clock=clock, sleep=sleep, on_abandon=on_abandon)
     try:
         work.wait()     # completed: only orders the current stream after it, or raises
     except Exception as exc:  # noqa: BLE001

@@ -24,7 +24,7 @@ from elastic.worker import logs
 from elastic.worker.driver_contact import DriverContact, driver_grace
 from elastic.worker.exit_guard import ExitGuard
 from elastic.worker.groups import RetiredGroups, build_groups, placement_for
-from elastic.worker.liveness import Heartbeat, LeavingReport, Progress
+from elastic.worker.liveness import CONNECT_TIMEOUT_S, BeatLink, Heartbeat, LeavingReport, Progress
 from elastic.worker.membership import Membership
 from elastic.worker.signed_store import SignedStore
 
@@ -74,8 +74,13 @@ class Worker:
         self.progress = Progress()
         self.leave_requested = 0     # the signal number once SIGTERM asked us to leave
         self._leave_flagged = 0      # ... as this rank's commit flags told its peers
-        self._leaving = LeavingReport(self)
-        self.heartbeat = Heartbeat(self, env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0, env))
+        self._leaving = LeavingReport(self.worker_id, lambda: self.leave_requested)
+        self.heartbeat = Heartbeat(BeatLink(
+            worker_id=self.worker_id, driver_at=self.driver_at, contact=self.contact,
+            connect=lambda: self.new_control_connection(timeout=CONNECT_TIMEOUT_S,
+                                                        reconnect_within_s=0),
+            status=self.beat_status, leave_requested=lambda: self.leave_requested,
+            leaving=self._leaving), env_float(control.ENV_HEARTBEAT_INTERVAL, 1.0, env))
         if self.beats_on_own_thread:
             self.heartbeat.first_beat()
             self.heartbeat.start()
@@ -84,6 +89,11 @@ class Worker:
         store = control.open_link(*self.driver_at, timeout or self.store_timeout,
                                   reconnect_within_s, warn=log.warning)   # heals after a reset
         return ControlStore(store, self._secret, warn=lambda msg: log.warning(msg))
+
+    def beat_status(self):
+        """What each heartbeat carries: progress, and the rounds an adopting driver reads."""
+        return dict(self.progress.report(), leaving=self.leave_requested,
+                    round=self.round_id, latest=self._latest)
 
     # -- rounds ---------------------------------------------------------------
     def latest_round(self):
@@ -181,10 +191,6 @@ class Worker:
             raise StopTraining(f"signal {self.leave_requested}: left the job at commit {commit}")
         if pending or leaving:
             raise HostsUpdatedInterrupt()
-
-    def put_leaving(self, conn):
-        """Keys.leaving on ``conn`` (the heartbeat's too): never loses the commit we left at."""
-        self._leaving.put(conn)
 
     def _announce_leaving(self, commit=None):
         try:

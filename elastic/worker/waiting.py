@@ -1,25 +1,37 @@
-"""Sliced waits: every wait on torch.distributed work can be abandoned.
+"""Sliced waits on torch.distributed work: every one can be abandoned.
 
 A gloo peer blocked on another survivor does not notice a death until its own
 timeout, so work is waited on in short slices that watch the round's abort
-key (docs/architecture.md, "Why waits are sliced"). Any backend failure surfaces as
-WorkersDepartedError, which the run loop turns into restore-and-rejoin.
+key (docs/architecture.md, "Why waits are sliced"); the loop itself is
+``sliced.wait_sliced``. Any backend failure surfaces as WorkersDepartedError,
+which the run loop turns into restore-and-rejoin.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.exceptions import WorkersDepartedError
+from elastic.worker.sliced import DEFAULT_TIMEOUT_S, WAIT_SLICE_S, AbortWatch, wait_sliced, watched
 
 if TYPE_CHECKING:
-    from elastic.worker.runtime import Worker
+    from elastic.worker.liveness import Progress
 
-WAIT_SLICE_S = 0.1
-DEFAULT_TIMEOUT_S = 600.0
+__all__ = ["DEFAULT_TIMEOUT_S", "WAIT_SLICE_S", "RoundWaits", "issue", "run_blocking", "wait"]
+
+
+class RoundWaits(AbortWatch, Protocol):
+    """What a wait on a round's work reads besides the abort: where it says it waits
+    (the heartbeat reports it), and whether the round's work must be polled (NCCL)."""
+
+    progress: Progress
+
+    @property
+    def polls_work(self) -> bool: ...
+
+    def abort_device_group(self) -> None: ...
 
 
 def issue(start: Callable[[], Any], what: str) -> Any:
@@ -32,7 +44,7 @@ def issue(start: Callable[[], Any], what: str) -> Any:
         raise WorkersDepartedError(f"{what} failed: {exc}") from exc
 
 
-def wait(work: Any, what: str = "collective", worker: Worker | None = None) -> None:
+def wait(work: Any, what: str = "collective", worker: RoundWaits | None = None) -> None:
     """Wait for ``work`` in slices; abandon it if ``worker``'s round is aborted.
 
     The worker's progress (liveness.py) says what it waits in meanwhile, so the
@@ -47,10 +59,11 @@ def wait(work: Any, what: str = "collective", worker: Worker | None = None) -> N
         worker.progress.end_wait()
 
 
-def _wait(work: Any, what: str, w: Worker | None) -> None:
+def _wait(work: Any, what: str, w: RoundWaits | None) -> None:
+    aborted, deadline_s, why = watched(w)
     if w is not None and w.polls_work:
         from elastic.worker import nccl
-        nccl.wait_polling(work, WAIT_SLICE_S, w.collective_timeout, w.round_aborted, what,
+        nccl.wait_polling(work, WAIT_SLICE_S, deadline_s, aborted, what,
                           on_abandon=w.abort_device_group)
         return
     error, waited = [], []
@@ -68,12 +81,7 @@ def _wait(work: Any, what: str, w: Worker | None) -> None:
                 waited.append(True)
                 done.set()
             threading.Thread(target=block, daemon=True, name="elastic-wait").start()
-        deadline = time.monotonic() + (w.collective_timeout if w else DEFAULT_TIMEOUT_S)
-        while not done.wait(WAIT_SLICE_S):
-            if w is not None and w.round_aborted():
-                raise WorkersDepartedError(f"{what} abandoned: round {w.round_id} was aborted")
-            if time.monotonic() > deadline:
-                raise WorkersDepartedError(f"{what} timed out")
+        wait_sliced(done.is_set, aborted, deadline_s, what, sleep=done.wait, aborted_why=why)
     try:
         if error:
             raise error[0]
@@ -83,14 +91,13 @@ def _wait(work: Any, what: str, w: Worker | None) -> None:
         raise WorkersDepartedError(f"{what} failed: {exc}") from exc
 
 
-def run_blocking(fn: Callable[[], Any], what: str, worker: Worker | None = None) -> Any:
+def run_blocking(fn: Callable[[], Any], what: str, worker: AbortWatch | None = None) -> Any:
     """Run ``fn`` (which blocks on gloo work) on a helper thread and wait for it in
     slices that watch ``worker``'s abort key; return what it returns.
 
     For point-to-point work, which cannot be waited on in slices itself. On an abort
     the thread is left behind, blocked on the round's group, which is abandoned anyway.
     """
-    w = worker
     box, done = {}, threading.Event()
 
     def target():
@@ -102,12 +109,8 @@ def run_blocking(fn: Callable[[], Any], what: str, worker: Worker | None = None)
             done.set()
 
     threading.Thread(target=target, daemon=True, name="elastic-transfer").start()
-    deadline = time.monotonic() + (w.collective_timeout if w else DEFAULT_TIMEOUT_S)
-    while not done.wait(WAIT_SLICE_S):
-        if w is not None and w.round_aborted():
-            raise WorkersDepartedError(f"{what} abandoned: round {w.round_id} was aborted")
-        if time.monotonic() > deadline:
-            raise WorkersDepartedError(f"{what} timed out")
+    aborted, deadline_s, why = watched(worker)
+    wait_sliced(done.is_set, aborted, deadline_s, what, sleep=done.wait, aborted_why=why)
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, WorkersDepartedError):
