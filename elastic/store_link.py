@@ -14,10 +14,20 @@ doorbell's readers tolerate (each name is verified against its sealed key).
 TCP keepalive is switched on for every client socket: the TCPStore does not
 expose its socket, so the socket is found among this process's descriptors by
 its peer address (keepalive_to) and the options are set on a duplicate of it.
+
+Torch's C++ side logs a warning with a C++ stack trace for every failed store call
+(and every failed reconnect attempt), tens of lines each, before the error reaches
+us. So a process that opens a healing connection raises c10's log level to ERROR
+(quiet_cpp_warnings), as TORCH_CPP_LOG_LEVEL=ERROR would at start: a reset then
+shows as our one warning line. torch reads that variable only when it is imported,
+before our code runs, so the level is set in the loaded library; a user who sets
+TORCH_CPP_LOG_LEVEL keeps their own choice.
 """
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
 import socket
 import threading
@@ -35,6 +45,31 @@ _BACKOFF_MAX_S = 2.0
 
 _warned = {}
 _warned_lock = threading.Lock()
+_CPP_ERROR_LEVEL = 2           # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
+_quieted = []
+
+
+def quiet_cpp_warnings(environ=os.environ) -> bool:
+    """Raise c10's log level to ERROR in this process, once, unless the user chose a
+    level (TORCH_CPP_LOG_LEVEL). Returns whether the level is ERROR or above now."""
+    if "TORCH_CPP_LOG_LEVEL" in environ:
+        return False
+    if not _quieted:
+        _quieted.append(_set_cpp_log_level(_CPP_ERROR_LEVEL))
+    return _quieted[0]
+
+
+def _set_cpp_log_level(level):
+    """Set FLAGS_caffe2_log_level in the loaded libc10 (False where it is not found)."""
+    import torch
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
+        try:
+            flag = ctypes.c_int.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level")
+        except (OSError, ValueError):
+            continue
+        flag.value = max(flag.value, level)
+        return True
+    return False
 
 
 def _warn_once(where, message, warn):
@@ -151,6 +186,7 @@ class _Connection:
     """The current TCPStore client to one address, remade when it breaks."""
 
     def __init__(self, addr, port, timeout_s):
+        quiet_cpp_warnings()
         self.addr, self.port, self.timeout_s = addr, int(port), float(timeout_s)
         self.lock = threading.Lock()
         self.generation = 0

@@ -11,17 +11,20 @@ its fds, threads and RSS can be watched): SIGKILL, SIGSTOP, SIGTERM to a worker
 thread, hosts added and removed, a host whose gloo cannot open its data connections
 (GLOO_SOCKET_IFNAME=bogus0 there: repeating group errors, blamed after
 repeats.GROUP_REPEAT_LIMIT rounds and back after each cooldown), and SIGTERM to
-elasticrun followed by a rerun of the same command. At the end: every rank bitwise equal, every sample trained
-exactly once per epoch in the committed history, no committed step lost, and
-the long-lived worker's resources bounded.
-thread, hosts added and removed, and SIGTERM to elasticrun followed by a rerun
-of the same command. Before about one change in four, every connection to the
-control store is reset (``ss -K``, as an idle-flow drop by a NAT or load balancer
-does): the change that follows must work over the healed connections. Then, where
-the network lab is available (tests/netlab.py), the driver's link is cut and
-restored a few times under another job (lab_cuts). At the end: every rank bitwise
-equal, every sample trained exactly once per epoch in the committed history, no
-committed step lost, and the long-lived worker's resources bounded.
+elasticrun followed by a rerun of the same command. Before about one change in four,
+every connection to the control store is reset (``ss -K``, as an idle-flow drop by a
+NAT or load balancer does): the change that follows must work over the healed
+connections. At the end: every rank bitwise equal, every sample trained exactly once
+per epoch in the committed history, no committed step lost, and the long-lived
+worker's resources bounded.
+
+Then faults that end or roll back a job by design, each in jobs of its own: where the
+network lab is available (tests/netlab.py), the driver's link is cut and restored a
+few times (lab_cuts); every holder of the training state is lost during a scale-up
+(holder_losses: the job resumes from the newest checkpoint, or stops with one line
+naming the last commit); and a rank-0-only phase outlasts --stall-timeout
+(rank0_phases: the job stops with one line naming the flag, and a rerun with the flag
+raised resumes from the newest checkpoint).
 """
 
 import argparse
@@ -38,7 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from jobs import Job, assert_exactly_once  # noqa: E402
+from jobs import Job, assert_exactly_once, kill_leftover_jobs, wait_unlocked  # noqa: E402
+from procs import alive as proc_alive  # noqa: E402
 from procs import job_workers, resource_growth, resources  # noqa: E402
 from procs import state as proc_state  # noqa: E402
 
@@ -326,6 +330,113 @@ def lab_cuts(workdir, cuts):
         lab.close()
 
 
+HOLDER_LOSSES = ((signal.SIGKILL, True), (signal.SIGTERM, False),
+                 (signal.SIGTERM, True), (signal.SIGKILL, False))
+
+
+def newest_checkpoint(directory):
+    """The commit of the newest complete checkpoint in ``directory`` (-1: none)."""
+    return max((int(p.stem.split("-")[1]) for p in Path(directory).glob("ckpt-*.json")),
+               default=-1)
+
+
+def holder_losses(workdir, times):
+    """The loss of every worker that holds the training state during a scale-up, ``times``
+    times, each in a job of its own (it ends or rolls back the job by design): SIGKILL or
+    SIGTERM (a spot reclaim while an autoscaler adds nodes), with and without checkpoints,
+    in turn. With a checkpoint, the job resumes from the newest one on disk when the holder
+    was gone (no checkpointed commit lost) and finishes with every sample trained once;
+    without, it stops with exit 1 and one line naming the last commit, at or above the one
+    the holder reported, and the newcomer never trains from step 0. Returns
+    {"resumed": n, "stopped": n}."""
+    from test_repeat_faults import lose_every_holder
+    done = {"resumed": 0, "stopped": 0}
+    for n in range(times):
+        end, durable = HOLDER_LOSSES[n % len(HOLDER_LOSSES)]
+        directory = Path(workdir) / f"holders.{n}"
+        ckpt = directory / "ckpt"
+        started = []
+        try:
+            job, old, beat = lose_every_holder(
+                started, directory, ["--checkpoint-dir", str(ckpt)] if durable else [])
+            wait_gone(job, old)
+            if durable:
+                newest = newest_checkpoint(ckpt)       # the holder wrote nothing after this
+                job.release(12)
+                code = job.finish()
+                job.assert_ok(code, final_size=1)
+                resumed = [int(c) for c in re.findall(
+                    r"resumed from checkpoint \S+ \(commit (\d+)\)", job.output())]
+                assert len(resumed) == 1 and resumed[0] == newest >= beat["durable"], \
+                    (resumed, newest, beat, job.output()[-4000:])
+                done["resumed"] += 1
+            else:
+                code = job.finish()
+                out = job.output()
+                last = out.strip().splitlines()[-1]
+                stop = re.fullmatch(r"elasticrun: error: no surviving worker holds the training "
+                                    r"state; the last commit was (\d+)", last)
+                assert code == 1 and stop and int(stop[1]) >= beat["holds"], (beat, out[-4000:])
+                assert not any(r["round"] > 1 for r in job.steps()), "trained from scratch"
+                done["stopped"] += 1
+        finally:
+            kill_leftover_jobs(started)
+    return done
+
+
+def wait_gone(job, pid):
+    job.wait_for(lambda: not proc_alive(pid), f"worker {pid} to be gone")
+
+
+def rank0_phases(workdir, times, phase_s=20):
+    """A rank-0-only phase (an evaluation) of ``phase_s`` seconds, longer than the job's
+    --stall-timeout, ``times`` times, each in a job of its own (rank0_phase). Returns the
+    number of jobs that stopped as promised and resumed once the flag was raised."""
+    for n in range(times):
+        rank0_phase(Path(workdir) / f"rank0.{n}", phase_s)
+    return times
+
+
+def rank0_phase(directory, phase_s):
+    """The job must stop with one line naming the cause and the flag (after at most
+    RANK_REPEAT_LIMIT blacklisted hosts, one more when a heartbeat lagged), and the same
+    command with --stall-timeout raised above the phase must resume from the newest
+    checkpoint on disk (no checkpointed commit lost) and finish with every sample
+    trained once."""
+    from elastic.runner.repeats import RANK_REPEAT_LIMIT
+    ckpt = directory / "ckpt"
+    started = []
+
+    def command(stall_timeout, name):
+        job = Job(directory / name, ["-np", "3", "--min-np", "2", "-H",
+                                     "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                                     "--stall-timeout", str(stall_timeout),
+                                     "--checkpoint-dir", str(ckpt)],
+                  env={"JOB_RANK0_PHASE": f"12:{phase_s}", "JOB_EPOCHS": "6",
+                       "ELASTIC_CHECKPOINT_LOCK_WAIT": "30"})
+        started.append(job)
+        return job
+
+    try:
+        first = command(4, "first")
+        code = first.run()
+        out = first.output()
+        last = out.strip().splitlines()[-1]
+        assert code == 1 and last.startswith("elasticrun: error: rank 0 failed on ") \
+            and "raise --stall-timeout" in last, out[-4000:]
+        assert out.count("blacklisting host") <= RANK_REPEAT_LIMIT + 1, out[-4000:]
+        wait_unlocked(ckpt)
+        newest = newest_checkpoint(ckpt)
+        assert newest >= 10, newest                  # one is due every 10 commits
+        rerun = command(phase_s * 3, "rerun")
+        code = rerun.run()
+        rerun.assert_ok(code, epochs=6)
+        resumed = re.findall(r"resumed from checkpoint \S+ \(commit (\d+)\)", rerun.output())
+        assert resumed and int(resumed[0]) == newest, (resumed, newest)
+    finally:
+        kill_leftover_jobs(started)
+
+
 def table(summary):
     r = summary["resources"]
     lines = ["| what | count |", "|---|---|"]
@@ -353,6 +464,13 @@ def table(summary):
                      f"{first['fds']} -> {last['fds']} ({g['fds']:+d}) / {first['threads']} -> "
                      f"{last['threads']} ({g['threads']:+d}) / {first['rss'] / 2**20:.0f} -> "
                      f"{last['rss'] / 2**20:.0f} MiB ({g['rss']:.2f}x) |")
+    if summary.get("holder_losses"):
+        h = summary["holder_losses"]
+        lines.append(f"| every holder lost in a scale-up: resumed from the newest checkpoint / "
+                     f"stopped naming the last commit | {h['resumed']} / {h['stopped']} |")
+    if summary.get("rank0_phases"):
+        lines.append(f"| rank-0 phase > --stall-timeout: stopped naming the flag, rerun with it "
+                     f"raised resumed from the newest checkpoint | {summary['rank0_phases']} |")
     if summary.get("lab_cuts") is not None:
         lines.append(f"| lab: driver link cut and restored, nobody evicted | "
                      f"{summary['lab_cuts']} |")
@@ -367,11 +485,17 @@ def main(argv=None):
     p.add_argument("--dir", default=None, help="work directory (default: a fresh temp one)")
     p.add_argument("--lab-cuts", type=int, default=3,
                    help="driver link cuts in the network lab, where it is available (0: none)")
+    p.add_argument("--holder-losses", type=int, default=4,
+                   help="jobs that lose every holder of the state in a scale-up (0: none)")
+    p.add_argument("--rank0-phases", type=int, default=2,
+                   help="jobs with a rank-0 phase longer than --stall-timeout (0: none)")
     args = p.parse_args(argv)
     import tempfile
     workdir = args.dir or tempfile.mkdtemp(prefix="elastic-soak-")
     summary = Soak(workdir, args.changes, args.seed).run()
     summary["lab_cuts"] = lab_cuts(workdir, args.lab_cuts) if args.lab_cuts else None
+    summary["holder_losses"] = holder_losses(workdir, args.holder_losses)
+    summary["rank0_phases"] = rank0_phases(workdir, args.rank0_phases)
     print(table(summary))
     return 0
 

@@ -95,6 +95,7 @@ BAD_INPUT = [
     _case("hosts_empty_entry", ["-np", "1", "-H", "localhost:1,", "true"], ["empty host"]),
     _case("hosts_bare_ipv6", ["-np", "1", "-H", "::1:2", "true"], ["brackets"]),
     _case("reset_limit_negative", ["-np", "1", "--reset-limit", "-1", "true"], ["--reset-limit"]),
+    _case("repeat_limit_zero", ["-np", "1", "--repeat-limit", "0", "true"], ["--repeat-limit"]),
     _case("slots_per_host_zero", ["-np", "1", "--slots-per-host", "0", "true"],
           ["--slots-per-host"]),
     _case("elastic_timeout_zero", ["-np", "1", "--elastic-timeout", "0", "true"],

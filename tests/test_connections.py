@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 
 import pytest
 from harness import free_port
@@ -14,6 +15,20 @@ from procs import job_workers
 
 from elastic import protocol as control
 from elastic.store_link import HealingStore
+
+RESETS_IN_A_FRESH_PROCESS = """
+import subprocess, sys
+from elastic import protocol as control
+from elastic.store_link import HealingStore
+port = int(sys.argv[1])
+master = control.connect("127.0.0.1", port, 30, is_master=True)
+link = HealingStore("127.0.0.1", port, 10)
+link.set("a", b"1")
+for _ in range(3):
+    subprocess.run(["ss", "-K", "-tnH", f"dport = :{port}"], check=True, capture_output=True)
+    assert bytes(link.get("a")) == b"1"
+print("reconnects", link.reconnects)
+"""
 
 needs_ss = pytest.mark.skipif(shutil.which("ss") is None, reason="ss (iproute2) is not installed")
 
@@ -84,6 +99,25 @@ def test_a_reset_connection_is_remade_with_one_warning():
 
 
 @needs_ss
+def test_a_reset_prints_our_one_line_not_torchs_cpp_trace_unless_the_user_asks():
+    """Torch logs each failed store call with a C++ stack (~25 lines); a process with a
+    healing connection prints only our one warning for three resets. A user who sets
+    TORCH_CPP_LOG_LEVEL keeps torch's own lines (this also shows the check can fail)."""
+    def run(**env):
+        environ = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+        done = subprocess.run([sys.executable, "-c", RESETS_IN_A_FRESH_PROCESS,
+                               str(free_port())], env=dict(environ, OMP_NUM_THREADS="1", **env),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "reconnects 3" in done.stdout, done.stderr[-3000:]
+        return [line for line in done.stderr.splitlines() if line.strip()]
+    quiet = run()
+    assert len(quiet) == 1 and quiet[0].startswith("elastic: warning: the connection to the "
+                                                   "control store at"), quiet
+    loud = run(TORCH_CPP_LOG_LEVEL="WARNING")
+    assert sum("TCPStore" in line for line in loud) >= 3, loud[:40]
+
+
+@needs_ss
 def test_a_link_without_retry_raises_and_the_next_link_works():
     port = free_port()
     master = control.connect("127.0.0.1", port, 30, is_master=True)
@@ -126,3 +160,4 @@ def test_store_connections_reset_in_training_and_while_idle_then_a_change_works(
     out = job.output()
     assert "reconnecting" in out, out[-3000:]
     assert "blacklist" not in out, out[-3000:]
+    assert "frame #" not in out and "TCPStore.cpp" not in out, out[-3000:]   # our line only

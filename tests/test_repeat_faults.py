@@ -106,10 +106,11 @@ def test_a_rank0_phase_longer_than_the_stall_timeout_stops_the_job_naming_the_fl
     assert out.count("blacklisting host") == 2, out[-3000:]
 
 
-def _lose_every_holder(started, tmp_path, args=(), env=None, end=signal.SIGKILL):
-    """One worker trains and holds at step 6; a host is added; once round 2 (old worker
-    and newcomer) is published, the old worker is SIGSTOPped before it can sync anyone,
-    then SIGKILLed: only the newcomer, which holds nothing, is left."""
+def lose_every_holder(started, tmp_path, args=(), env=None, end=signal.SIGKILL):
+    """One worker trains and holds at step 12; it is SIGSTOPped before it can sync anyone,
+    a host is added, and once round 2 (old worker and newcomer) is published, the old
+    worker gets ``end``: only the newcomer, which holds nothing, is left. Returns the job,
+    the old worker's pid and its last heartbeat before the SIGSTOP (what the driver knew)."""
     job = run(started, tmp_path, ["-np", "1", "--min-np", "1"] + list(args),
               dict({"JOB_HOLD": "12", "JOB_SECRET_OUT": "1"}, **(env or {})),
               hosts=["127.0.0.1:1"])
@@ -127,6 +128,7 @@ def _lose_every_holder(started, tmp_path, args=(), env=None, end=signal.SIGKILL)
     wait_until(lambda: (store.get(Keys.heartbeat(wid)) or {}).get("holds", -1) >= 12
                and store.get(Keys.heartbeat(wid)).get("durable", -1) >= durable,
                "a heartbeat that reports the state held (and the checkpoint)", 120)
+    beat = store.get(Keys.heartbeat(wid))
     os.kill(old, signal.SIGSTOP)
     job.set_hosts(["127.0.0.1:1", "127.0.0.2:1"])
     job.wait_for(lambda: any(e["event"] == "round_started" and e["round"] == 2
@@ -134,13 +136,13 @@ def _lose_every_holder(started, tmp_path, args=(), env=None, end=signal.SIGKILL)
     os.kill(old, end)
     if end != signal.SIGKILL:
         os.kill(old, signal.SIGCONT)          # a spot reclaim: it leaves at its next commit
-    return job
+    return job, old, beat
 
 
 @pytest.mark.parametrize("end", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_losing_every_holder_during_a_scale_up_stops_the_job_not_a_restart_from_step_0(
         started, tmp_path, end):
-    job = _lose_every_holder(started, tmp_path, end=end)
+    job, _, _ = lose_every_holder(started, tmp_path, end=end)
     code = job.finish()
     out = job.output()
     assert code == 1, out[-3000:]
@@ -152,7 +154,7 @@ def test_losing_every_holder_during_a_scale_up_stops_the_job_not_a_restart_from_
 
 
 def test_losing_every_holder_resumes_from_the_newest_checkpoint(started, tmp_path):
-    job = _lose_every_holder(started, tmp_path, ["--checkpoint-dir", str(tmp_path / "ckpt")])
+    job, _, _ = lose_every_holder(started, tmp_path, ["--checkpoint-dir", str(tmp_path / "ckpt")])
     job.release(12)
     code = job.finish()
     out = job.output()

@@ -57,6 +57,25 @@ def test_a_group_error_on_one_host_blames_that_host_after_the_limit_and_the_rest
     assert world.hosts.blacklisted(now + FAILURE_REPORT_GRACE_S) == ("b",)
 
 
+def test_the_repeat_limit_flag_sets_how_many_failed_rounds_come_before_the_blame():
+    from elastic.runner import cli
+    limit = cli.config_from_args(cli.parse(["-np", "2", "--repeat-limit", "5", "true"])
+                                 ).repeat_limit
+    assert limit == 5 and GROUP_REPEAT_LIMIT == 3
+    assert cli.config_from_args(cli.parse(["-np", "2", "true"])).repeat_limit == 3
+    world = World({"a": 1, "b": 1}, Limits(np=2, min_np=1, repeat_limit=limit))
+    world.running()
+    now = 2.0
+    for attempt in range(1, limit):
+        actions = fail_round(world, now, {"1": "Unable to find address for: bogus0"})
+        assert actions[0].line.endswith(f"re-forming it ({attempt} of 5 with these members)")
+        assert not any(isinstance(a, (HostFailed, Fail)) for a in actions), actions
+        now += 5
+    actions = fail_round(world, now, {"1": "Unable to find address for: bogus0"})
+    (blame,) = [a for a in actions if isinstance(a, HostFailed)]
+    assert blame.host == "b" and "failed 5 times in a row" in blame.reason
+
+
 def test_an_error_every_host_reports_stops_the_job_with_that_error():
     world = World({"a": 1}, Limits(np=1, min_np=1))
     world.running()

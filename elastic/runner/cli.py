@@ -16,7 +16,7 @@ import tempfile
 
 from elastic import __version__, protocol
 from elastic.exceptions import ElasticError
-from elastic.runner import config_file, dry_run, horovod_flags, launcher, serve, stragglers
+from elastic.runner import config_file, dry_run, horovod_flags, launcher, repeats, serve, stragglers
 from elastic.runner.agent import DEFAULT_DRIVER_GRACE_S, run_agent
 from elastic.runner.console import Console
 from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
@@ -60,6 +60,10 @@ def build_parser():
     p.add_argument("--elastic-timeout", type=float, default=600.0,
                    help="longest wait for --min-np slots (default 600)")
     p.add_argument("--reset-limit", type=int, help="most membership changes before failing")
+    p.add_argument("--repeat-limit", type=int, default=repeats.GROUP_REPEAT_LIMIT, metavar="N",
+                   help="rounds that fail in a row with the same members (a group error) before "
+                        "the driver blames the hosts that reported it every time, or stops the "
+                        f"job when all did (default {repeats.GROUP_REPEAT_LIMIT})")
     p.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
                    help="seconds before a blacklisted host may return")
     p.add_argument("--worker-timeout", type=float, default=30.0,
@@ -197,6 +201,8 @@ def config_from_args(args):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if args.reset_limit is not None and args.reset_limit < 0:
         raise UsageError("--reset-limit must be 0 or more")
+    if args.repeat_limit < 1:
+        raise UsageError(f"--repeat-limit must be at least 1, got {args.repeat_limit}")
     if args.slots is not None and args.slots < 1:
         raise UsageError("--slots-per-host must be at least 1")
     cooldown = None
@@ -265,7 +271,8 @@ def config_from_args(args):
         command=command, metrics_port=args.metrics_port, tensorboard=args.tensorboard,
         discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
         discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
-        reset_limit=args.reset_limit, cooldown_range=cooldown, output_dir=args.output_dir,
+        reset_limit=args.reset_limit, repeat_limit=args.repeat_limit, cooldown_range=cooldown,
+        output_dir=args.output_dir,
         worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
         stop_timeout=args.stop_timeout, stall_timeout=stall_timeout,
         ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,

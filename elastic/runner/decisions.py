@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from elastic.runner.hosts import HostManager
-from elastic.runner.repeats import Repeats
+from elastic.runner.repeats import GROUP_REPEAT_LIMIT, Repeats
 
 MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
 ROUNDS_KEPT = 8                # rounds the bookkeeping remembers (the final one is kept too)
@@ -113,6 +113,7 @@ class Limits:
     max_np: int | None = None
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
+    repeat_limit: int = GROUP_REPEAT_LIMIT   # --repeat-limit: failed rounds alike, then decide
     worker_timeout: float = 30.0
     start_timeout: float | None = None   # elasticrun --start-timeout (horovodrun's)
     stop_timeout: float = 20.0       # to reach a commit after SIGTERM/SIGINT

@@ -80,6 +80,7 @@ class JobConfig:
     discovery_interval: float = 1.0
     elastic_timeout: float = 600.0
     reset_limit: int = None
+    repeat_limit: int = Limits.repeat_limit   # failed rounds with the same members, then decide
     cooldown_range: tuple = None
     output_dir: str = None
     event_log: str = None
@@ -114,7 +115,7 @@ class Driver:
         self.limits = Limits(np=config.np, min_np=config.min_np, max_np=config.max_np,
                              elastic_timeout=config.elastic_timeout,
                              reset_limit=config.reset_limit, worker_timeout=config.worker_timeout,
-                             start_timeout=config.start_timeout,
+                             start_timeout=config.start_timeout, repeat_limit=config.repeat_limit,
                              stop_timeout=config.stop_timeout, stall_timeout=config.stall_timeout,
                              preempted_hold=config.preempted_hold, stragglers=config.stragglers)
         self.hosts = HostManager(config.cooldown_range)

@@ -4,10 +4,11 @@ Pure functions over a small record (``Repeats``, kept in the driver's ``Job``); 
 policy asks them each time a round fails, and acts on the verdict.
 
 * **A round that fails with the same members** (a worker reported a failed collective
-  or group set-up and no process died): after ``GROUP_REPEAT_LIMIT`` such rounds in a
-  row, the hosts whose workers reported the failure in every one of them are blamed
-  and blacklisted (their peers could form the group; they could not: a NIC name that
-  differs, a firewall that opens only the store port). When every host reported it
+  or group set-up and no process died): after ``--repeat-limit`` (default
+  ``GROUP_REPEAT_LIMIT``) such rounds in a row, the hosts whose workers reported the
+  failure in every one of them are blamed and blacklisted (their peers could form the
+  group; they could not: a NIC name that differs, a firewall that opens only the store
+  port). When every host reported it
   (a user bug inside a collective, one host only), no host can be blamed: the job
   stops with one line that carries the error.
 * **A rank that fails at the same commit on one host after another** (a rank-0-only
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-GROUP_REPEAT_LIMIT = 3    # failed rounds in a row with the same members, then decide
+GROUP_REPEAT_LIMIT = 3    # --repeat-limit's default: failed rounds in a row, same members
 RANK_REPEAT_LIMIT = 2     # failures of one rank at one commit on different hosts, then stop
 ERROR_CHARS = 300         # how much of a worker's error text travels (one line)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from elastic.runner.decisions import Abort, Fail, MarkFailureReport, Notice, Reform, Track
 from elastic.runner.repeats import (
-    GROUP_REPEAT_LIMIT,
     Blame,
     StopJob,
     describe_errors,
@@ -45,9 +44,10 @@ def failed_round(tick, round_id):
     """The current round reported a failed collective and no process died: re-form it,
     naming the cause, until repeats.group_failure decides."""
     job, errors = tick.job, dict(tick.facts.failure_errors)
-    repeats, verdict = group_failure(job.repeats, round_id, job.members, errors)
+    limit = tick.limits.repeat_limit
+    repeats, verdict = group_failure(job.repeats, round_id, job.members, errors, limit)
     text = describe_errors(job.members, errors)
-    tries = f"{len(repeats.failed)} of {GROUP_REPEAT_LIMIT} with these members"
+    tries = f"{len(repeats.failed)} of {limit} with these members"
     tick.emit(Notice(f"round {round_id} failed: {text}" + (
         f"; re-forming it ({tries})" if verdict is None else ""), "round_failed", (
         ("round", round_id),
