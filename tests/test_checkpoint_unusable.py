@@ -170,3 +170,15 @@ def test_a_job_of_another_model_stops_with_one_line_and_blames_no_host(tmp_path)
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"elasticrun: error: no checkpoint in {ckpt} can be used"), out[-3000:]
     assert "size mismatch" in last and "blacklisting" not in out and "Traceback" not in out
+
+
+def test_a_bad_choice_in_the_drivers_environment_is_one_usage_line(monkeypatch):
+    """Workers inherit ELASTIC_CHECKPOINT_UNUSABLE: elasticrun refuses a bad one at start
+    (one line, exit 2), not with a traceback on every worker and a blacklisted host each."""
+    from elastic.runner import cli
+    monkeypatch.setenv("ELASTIC_CHECKPOINT_UNUSABLE", "bogus")
+    with pytest.raises(cli.UsageError, match=r"ELASTIC_CHECKPOINT_UNUSABLE\) must be one of "
+                                             r"previous, stop, got 'bogus'"):
+        cli.config_from_args(cli.parse(["-np", "1", "true"]))
+    monkeypatch.setenv("ELASTIC_CHECKPOINT_UNUSABLE", "stop")
+    assert cli.config_from_args(cli.parse(["-np", "1", "true"])).np == 1

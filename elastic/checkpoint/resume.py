@@ -16,6 +16,7 @@ lands above them: an unusable checkpoint is never buried under newer-numbered wr
 that a later rerun would again skip.
 """
 
+from elastic import protocol
 from elastic.checkpoint import format as store
 from elastic.exceptions import ElasticError
 
@@ -30,8 +31,8 @@ def choice(value):
     """The --on-unusable-checkpoint choice; ValueError names a bad one."""
     value = value or "previous"
     if value not in CHOICES:
-        raise ValueError(f"--on-unusable-checkpoint must be one of {', '.join(CHOICES)}, "
-                         f"got {value!r}")
+        raise ValueError(f"--on-unusable-checkpoint ({protocol.ENV_CHECKPOINT_UNUSABLE}) must "
+                         f"be one of {', '.join(CHOICES)}, got {value!r}")
     return value
 
 

@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from elastic import __version__, protocol
+from elastic.checkpoint import resume
 from elastic.exceptions import ElasticError
 from elastic.runner import config_file, dry_run, horovod_flags, launcher, repeats, serve, stragglers
 from elastic.runner.agent import DEFAULT_DRIVER_GRACE_S, run_agent
@@ -220,6 +221,8 @@ def config_from_args(args):
         extra_env = horovod_flags.fusion_env(args)
         stall_timeout = horovod_flags.stall_timeout(args)
         output_ranks(args.output_ranks)
+        if os.environ.get(protocol.ENV_CHECKPOINT_UNUSABLE):    # the workers inherit it
+            resume.choice(os.environ[protocol.ENV_CHECKPOINT_UNUSABLE])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
