@@ -137,7 +137,8 @@ def test_unsupported_fsdp2_options_refused_and_a_commit_restored_in_place():
     assert out["restored"] and out["step"] == 1 and out["moved"] == 0
 
 
-def test_losing_more_shards_than_copied_resumes_from_the_sharded_checkpoint(fsdp_jobs, tmp_path):
+def test_losing_more_shards_than_copied_resumes_from_the_sharded_checkpoint(fsdp_jobs, tmp_path,
+                                                                          capsys):
     """3 workers write their shards (in the background); two are SIGKILLed at once, more
     than one copy covers: the survivor resumes from the checkpoint, resharded 3 -> 1 in
     place. A new job of 2 workers then resumes from the survivor's files (1 -> 2), reading
@@ -166,6 +167,33 @@ def test_losing_more_shards_than_copied_resumes_from_the_sharded_checkpoint(fsdp
     for key in ("params", "moments"):
         got, want = flat(a[key]), flat(b[key])
         assert float((got - want).norm() / want.norm()) < 1e-5, key
+    loaded_by_dcp_matches(ckpt, tmp_path, a, capsys)
+
+
+def loaded_by_dcp_matches(ckpt, tmp_path, final, capsys):
+    """The converter writes the last commit as a DCP checkpoint; DCP loads it into an
+    ordinary (unsharded) model and AdamW, equal to the state the job gathered."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from elastic.state import dcp_export
+    assert dcp_export.main([str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1          # bad input: one line
+    assert dcp_export.main([str(ckpt), str(tmp_path / "dcp")]) == 0
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "dcp"),
+             no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    params = {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+    moments = {f"{n}/{k}": v.flatten().tolist() for n, p in model.named_parameters()
+               for k, v in optimizer.state[p].items() if k != "step"}
+    assert flat(params).equal(flat(final["params"])) and flat(moments).equal(flat(final["moments"]))
+    assert {float(s["step"]) for s in optimizer.state.values()} == {float(final["step"])}
+    assert optimizer.param_groups[0]["lr"] == 0.01 and optimizer.param_groups[0]["weight_decay"] == 0.1
 
 
 def test_losing_more_shards_than_copied_without_a_checkpoint_stops_with_one_line(tmp_path):

@@ -287,7 +287,12 @@ class ShardedState(State):
         if group is self._built_for and self.model is not None:
             return
         from torch.distributed.device_mesh import DeviceMesh
-        mesh = DeviceMesh.from_group(group, "cpu") if group is not None else None
+        # The mesh's one dimension is named after the round: torch compares meshes by
+        # their ranks and dimension names only, so a later round's mesh of the same ranks
+        # would otherwise share DTensor's cached shardings, which hold the old mesh and
+        # its ended group (full_tensor() would then fail to resolve that group).
+        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=(group.group_name,)) \
+            if group is not None else None
         self.model, self.optimizer = None, None
         model, optimizer = self._build(mesh)
         _parts().check_model(model)

@@ -36,12 +36,12 @@ if TYPE_CHECKING:
     from elastic.worker.groups import TrackedGroup
     from elastic.worker.runtime import Worker
 
-# What dist.* and DDP call on a group; each goes to the backend of its tensors' device.
+# What dist.* and DDP call on a group; each goes to the backend of its tensors' device
+# (the coalesced *_tensor_coalesced ones, which gloo lacks, are below: _one_at_a_time).
 COLLECTIVES = (
     "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "broadcast", "reduce", "gather", "scatter",
-    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall",
-    "alltoall_base", "barrier", "send", "recv", "recv_anysource",
+    "broadcast", "reduce", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base",
+    "alltoall", "alltoall_base", "barrier", "send", "recv", "recv_anysource",
 )
 
 # The torchrun variables a round sets (GROUP_* are torchrun's names for the host's).
@@ -100,6 +100,32 @@ class RoundWork(dist.Work):
 
     def block_current_stream(self):
         self._work.block_current_stream()
+
+
+class Works(dist.Work):
+    """Several backend works as one: a coalesced collective the backend lacks (gloo has
+    no ``allgather_into_tensor_coalesced``), issued one tensor at a time."""
+
+    def __init__(self, works):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None):
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self):
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        return next((w.exception() for w in self._works if not w.is_success()), None)
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self._works])
 
 
 class RoundGroup(dist.ProcessGroup):
@@ -165,6 +191,30 @@ for _name in COLLECTIVES:
 for _name, _backend_name in (("all_gather_single", "_allgather_base"),
                              ("reduce_scatter_single", "_reduce_scatter_base")):
     setattr(RoundGroup, _name, _forward(_name, _backend_name))
+
+
+
+def _one_at_a_time(name, single):
+    """``name`` (a coalesced collective: lists of outputs and inputs) through the backend's
+    own when it has one, else ``single`` per pair. DTensor's ``full_tensor()`` and
+    redistributions reach gloo this way (functional collectives)."""
+    def collective(self, outputs, inputs, *args, **kwargs):
+        backend = self._backend_for((outputs, inputs))
+        if hasattr(backend.group, name):
+            work = getattr(backend, name)(outputs, inputs, *args, **kwargs)
+        else:
+            work = Works([getattr(backend, single)(out, inp, *args, **kwargs)
+                          for out, inp in zip(outputs, inputs)])
+        self.worker.progress.issue()
+        return RoundWork(work, self, name)
+
+    collective.__name__ = name
+    return collective
+
+
+for _name, _single in (("allgather_into_tensor_coalesced", "_allgather_base"),
+                       ("reduce_scatter_tensor_coalesced", "_reduce_scatter_base")):
+    setattr(RoundGroup, _name, _one_at_a_time(_name, _single))
 
 
 _current: RoundGroup | None = None

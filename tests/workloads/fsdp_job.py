@@ -6,8 +6,9 @@ trains the same G samples at any world size, each rank its share, with the loss
 scaled so that FSDP2's gradient average is the global batch's mean.
 
 Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step), final.<rank>.json
-(full parameters and optimizer state gathered at the end, whether this rank's
-shards equal its rows of them, the global batches). FSDP_HOLD="5:5,6:4" keeps
+(full parameters and optimizer state gathered at the end by full_tensor(), whether
+this rank's shards equal its rows of them, the shards allgathered and the model's
+full state dict, the global batches). FSDP_HOLD="5:5,6:4" keeps
 committing after those steps until the world has 5, then 4 workers; FSDP_KILL=step:rank
 SIGKILLs that rank once, mid-backward (step:1+2 kills both ranks at once); FSDP_CKPT=DIR
 writes each rank's shards there (and a job that starts with nothing in memory resumes
@@ -20,6 +21,7 @@ import signal
 import time
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import elastic
@@ -111,18 +113,21 @@ def main():
     train(state)
     model, optimizer = state.model, state.optimizer
     rank, size = elastic.rank(), elastic.size()
-    # Full tensors from every rank's local shard (an allgather of our own), and
-    # whether this rank's shard equals its rows of them.
-    local = {name: p.to_local() for name, p in model.named_parameters()}
+    # Full tensors by DTensor.full_tensor() (over the round's group), checked against an
+    # allgather of every rank's local shard, and whether this rank's shard equals its rows.
+    local, full = {}, {}
     for name, p in model.named_parameters():
+        local[name], full[name] = p.to_local(), p.full_tensor()
         for k, v in optimizer.state[p].items():
             if k != "step":
-                local[f"{name}/{k}"] = v.to_local()
+                local[f"{name}/{k}"], full[f"{name}/{k}"] = v.to_local(), v.full_tensor()
     shards = elastic.allgather_object({k: v.tolist() for k, v in local.items()})
-    full = {k: torch.cat([torch.tensor(s[k]).reshape(-1, *v.shape[1:]) for s in shards])
-            for k, v in local.items()}
-    agree = all(torch.equal(full[k][slice(*rows(full[k].shape[0], size, rank))], v)
-                for k, v in local.items())
+    gathered = {k: torch.cat([torch.tensor(s[k]).reshape(-1, *v.shape[1:]) for s in shards])
+                for k, v in local.items()}
+    agree = all(torch.equal(full[k][slice(*rows(full[k].shape[0], size, rank))], v) and
+                torch.equal(full[k], gathered[k]) for k, v in local.items())
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    agree = agree and all(torch.equal(whole[k], full[k]) for k in whole)
     params = {k: v.flatten().tolist() for k, v in full.items() if "/" not in k}
     moments = {k: v.flatten().tolist() for k, v in full.items() if "/" in k}
     with open(os.path.join(OUT, f"final.{rank}.json"), "w") as f:
