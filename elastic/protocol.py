@@ -291,6 +291,15 @@ def worker_key(secret):
     return hmac.new(secret, b"elastic-worker-key", hashlib.sha256).hexdigest()
 
 
+def ctl_key(secret):
+    """The key elasticctl seals its requests with: derived from the job secret under a
+    label of its own. Workers hold only ``worker_key``, so a compromised worker cannot
+    drain, stop or resize the job (the driver reads requests only under this key)."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return hmac.new(secret, b"elastic-ctl-key", hashlib.sha256).hexdigest()
+
+
 def job_keys(secret):
     """(the job secret, the workers' key)."""
     return secret, worker_key(secret)

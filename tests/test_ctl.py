@@ -3,9 +3,9 @@
 The rules and the request inbox are tested without a driver (the inbox on a real
 TCPStore); one real elasticrun job is then watched (status, status --json, --addr
 with the secret, top in a real tmux terminal) and steered (resize --max-np down and
-up, drain, stop), with an outsider's forged request in between that must change
-nothing. Waits poll a condition under a generous deadline; nothing sleeps to let
-something happen.
+up, drain, stop), with forged requests in between (an outsider's, and one sealed with
+the workers' key) that must change nothing. Waits poll a condition under a generous
+deadline; nothing sleeps to let something happen.
 """
 
 import json
@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -25,19 +26,21 @@ from test_faults import assert_no_worker_left, wait_until
 from elastic import protocol as control
 from elastic.auth import Sealer
 from elastic.ctl import cli
-from elastic.ctl.client import CtlError, find_target
+from elastic.ctl.client import Client, CtlError, Target, find_target
 from elastic.protocol import ControlStore, Doorbell, Keys
 from elastic.runner import jobfiles, steering
+from elastic.runner.control_plane import DriverControl
 
 SECRET = "s" * 32
 
 
-def forge(raw, name, request):
-    """What an outsider who reaches the store can do: list the keys to learn the job's
-    namespace, write a request sealed with a secret of its own, and ring the inbox."""
+def forge(raw, name, request, secret="x" * 32):
+    """What an outsider who reaches the store can do: list the keys to learn
+    elasticctl's namespace, write a request sealed with a secret of its own (a
+    compromised worker: the workers' key), and ring the inbox."""
     namespace = next(k for k in raw.list_keys() if k.endswith("/" + Keys.CTL_HELLO))
     namespace = namespace[:-len(Keys.CTL_HELLO)]
-    blob = Sealer("x" * 32, job=namespace.rstrip("/")).seal(
+    blob = Sealer(secret, job=namespace.rstrip("/")).seal(
         Keys.ctl_request(name), json.dumps(request).encode())
     raw.set(namespace + Keys.ctl_request(name), blob)
     raw.append(namespace + Keys.CTL_INBOX, f"{name}\n".encode())
@@ -93,6 +96,44 @@ def test_the_inbox_answers_a_sealed_request_once_and_ignores_forged_and_replayed
         time.sleep(steering.LOOK_S)
     inbox.reply("mine", {"ok": True}, time.monotonic())
     assert client.get(Keys.ctl_reply("mine")) == {"ok": True}
+
+
+def test_a_request_sealed_with_the_workers_key_is_ignored():
+    """elasticctl has a key of its own, derived from the job secret under another label
+    than the workers' key: a compromised worker can neither steer nor pass the hello."""
+    plane = DriverControl({"localhost": 1}, {"localhost"}, control.worker_key(SECRET))
+    inbox = steering.open_inbox(plane, SECRET)            # what the driver's Watch opens
+    address, port = plane.binding.local_connect_address(), plane.port
+    raw = control.connect(address, port, 30)
+    # What a worker's key can write: in the workers' namespace, where its own values go,
+    worker = ControlStore(raw, control.worker_key(SECRET))
+    worker.put(Keys.ctl_request("as-worker"), {"op": "stop"})
+    Doorbell(worker, Keys.CTL_INBOX).ring("as-worker")
+    # and in elasticctl's namespace, found by listing keys, sealed with the workers' key.
+    forge(raw, "forged-by-worker", {"op": "stop"}, secret=control.worker_key(SECRET))
+    obeyed, done = [], threading.Event()
+
+    def driver_loop():
+        while not done.is_set():
+            for name, request in inbox.poll(time.monotonic()):
+                obeyed.append(request)
+                inbox.reply(name, {"ok": True, "message": request["op"]}, time.monotonic())
+            time.sleep(0.05)
+
+    answering = threading.Thread(target=driver_loop, daemon=True)
+    answering.start()
+    try:
+        with pytest.raises(CtlError, match="no elasticrun job with this secret answers"):
+            Client(Target(address, port, control.worker_key(SECRET), "worker"))
+        client = Client(Target(address, port, SECRET, "the job secret"))
+        assert client.request("drain", host="a")["message"] == "drain"
+    finally:
+        done.set()
+        answering.join(30)
+        plane.close()
+    # The worker-key requests were rung before elasticctl's, so the inbox has read them.
+    assert obeyed == [{"op": "drain", "host": "a"}]
+    assert inbox.ignored == 1          # the forged one in its namespace; the other unseen
 
 
 # -- finding the job ----------------------------------------------------------------------------
@@ -231,11 +272,16 @@ def test_watch_and_steer_a_real_job(tmp_path, monkeypatch, capsys):
                               str(secret_file), "stop")
     assert code == 1 and "no elasticrun job with this secret answers" in err
     top_ran = tmux_top(job, tmp_path)
-    # -- an outsider's forged drain, written where the driver looks, changes nothing ------
+    # -- forged drains (an outsider's; a worker's key), written where the driver looks,
+    # change nothing ----------------------------------------------------------------------
     forge(control.connect(record["address"], record["port"], 30), "outsider",
           {"op": "drain", "host": "127.0.0.1"})
-    wait_until(lambda: "ignored control-store key 'ctl/request/outsider'" in job.output(),
-               "the driver to ignore the forged request", 60)
+    forge(control.connect(record["address"], record["port"], 30), "worker",
+          {"op": "drain", "host": "127.0.0.1"}, secret=control.worker_key(record["secret"]))
+    for name in ("outsider", "worker"):
+        wait_until(lambda name=name: f"ignored control-store key 'ctl/request/{name}'"
+                   in job.output(),
+                   f"the driver to ignore the forged request ({name})", 60)
     status = status_of(job, monkeypatch, capsys)
     assert status["hosts"]["drained"] == [] and status["job"]["size"] == 2
     # -- steering: resize down and up, drain, stop -----------------------------------------

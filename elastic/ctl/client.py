@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from elastic.exceptions import ElasticError
-from elastic.protocol import ENV_SECRET_FILE, ControlStore, Doorbell, Keys, connect, worker_key
+from elastic.protocol import ENV_SECRET_FILE, ControlStore, Doorbell, Keys, connect, ctl_key
 from elastic.runner import jobfiles, serve
 
 RERING_S = 1.0           # a request whose ring was lost (the inbox was emptied) rings again
@@ -105,9 +105,9 @@ class Client:
         except (RuntimeError, OSError) as exc:
             raise CtlError(f"cannot reach the job's control store at {where} "
                            f"({' '.join(str(exc).split())[:160]})") from None
-        # The driver's control values live under the workers' key, derived from the
-        # job secret that the job file or --secret-file holds.
-        self.control = ControlStore(store, worker_key(target.secret), warn=lambda message: None)
+        # Requests and answers are sealed with elasticctl's own key, derived from the job
+        # secret (the job file's or --secret-file's); workers hold only their own key.
+        self.control = ControlStore(store, ctl_key(target.secret), warn=lambda message: None)
         if self._get(Keys.CTL_HELLO) is None:
             raise CtlError(f"no elasticrun job with this secret answers at {target.address}:"
                            f"{target.port} (wrong secret, or not an elasticrun control store)")

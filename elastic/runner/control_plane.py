@@ -63,9 +63,10 @@ class DriverControl:
         self._server = control.listen(self.binding.address, 30, port=port)
         self.port = self._server.port
         # The server's own client connection never reconnects: talk over one that does.
-        self.store = ControlStore(control.open_link(self.binding.local_connect_address(),
-                                                    self.port, 30, warn=log.warning),
-                                  secret, warn=log.warning)
+        self._link = control.open_link(self.binding.local_connect_address(), self.port, 30,
+                                       warn=log.warning)
+        self.store = ControlStore(self._link, secret, warn=log.warning)
+        self._other_keys = []      # stores sealed with other keys (elasticctl's): healed too
         self._names = names
         self._healed_at = 0.0
         self._unreachable_warned = set()
@@ -78,6 +79,13 @@ class DriverControl:
         self._full_looks = {}      # what was last looked at in full, and when
         self._errors = {}          # round id -> (when, its failure reports) last read
         self._janitor = Janitor(self.binding.local_connect_address(), self.port, secret)
+
+    def sealed_with(self, secret):
+        """Values sealed with another key than the workers' (elasticctl's,
+        protocol.ctl_key), in that key's namespace, over the same connection."""
+        store = ControlStore(self._link, secret, warn=log.warning)
+        self._other_keys.append(store)
+        return store
 
     def close(self):
         """Stop the janitor; the store itself goes with the process."""
@@ -100,7 +108,8 @@ class DriverControl:
         have not arrived are kept too: each heal reads every kept value back)."""
         if now - self._healed_at >= max(control.HEAL_EVERY_S, self.store.kept / HEALED_PER_S):
             self._healed_at = now
-            self.store.heal()
+            for store in (self.store, *self._other_keys):
+                store.heal()
 
     def heartbeats(self, worker_ids):
         """{worker id: its latest sealed beat number, or None (forged, replayed, none yet)}."""

@@ -2,9 +2,11 @@
 
 A request is a sealed value (elastic/auth.py) under ``Keys.ctl_request(name)``, its
 name rung on the ``Keys.CTL_INBOX`` doorbell; the answer is a sealed value under
-``Keys.ctl_reply(name)``. Only a holder of the job secret can write a request that
-verifies, so a forged one reads as absent and is ignored (and a wrong secret never
-gets an answer). A name is acted on once: a request copied back into the store
+``Keys.ctl_reply(name)``. Both are sealed with elasticctl's own key
+(``protocol.ctl_key``, derived from the job secret): workers hold only their key, so
+neither an outsider nor a compromised worker can write a request that verifies; a
+forged one reads as absent and is ignored (and a wrong secret never gets an answer).
+A name is acted on once: a request copied back into the store
 later is not obeyed again. There is no socket or protocol beyond the control store.
 
 The rules (``drain_refusal``, ``resize_refusal``) are pure, tested in
@@ -13,8 +15,9 @@ tests/test_ctl.py without processes; what a steered job does next is
 """
 
 import collections
+import os
 
-from elastic.protocol import Doorbell, Keys
+from elastic.protocol import Doorbell, Keys, ctl_key
 
 LOOK_S = 0.2               # how often the driver looks at the inbox
 NAMES_PER_LOOK = 256       # more than this per look is a flood: the rest wait for a re-ring
@@ -57,6 +60,15 @@ def well_formed(request):
     if op == "resize":
         return "max_np" in request
     return True
+
+
+def open_inbox(plane, secret):
+    """The driver's inbox, on values sealed with elasticctl's key derived from the job
+    ``secret`` (``plane``: the driver's control_plane.DriverControl). Its sealed hello
+    lets elasticctl tell a wrong secret at once."""
+    control = plane.sealed_with(ctl_key(secret))
+    control.put(Keys.CTL_HELLO, {"pid": os.getpid()}, keep=True)
+    return Inbox(control)
 
 
 class Inbox:

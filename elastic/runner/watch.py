@@ -11,11 +11,9 @@ reaches ``policy.decide`` only as facts: drained hosts (``Facts.drained``), a ne
 import dataclasses
 import logging
 import math
-import os
 import signal
 
 from elastic.exceptions import ElasticError
-from elastic.protocol import Keys
 from elastic.runner import jobfiles, steering
 from elastic.runner.metrics import Exporter, MetricsError
 from elastic.runner.status import CheckpointProbe, StatusBoard, checkpoint_dir, snapshot
@@ -51,8 +49,7 @@ class Watch:
         listeners.append(self.board.on_event)
         if self.scalars is not None:
             listeners.append(self.scalars.on_event)
-        self.inbox = steering.Inbox(driver.control)
-        driver.control.put(Keys.CTL_HELLO, {"pid": os.getpid()}, keep=True)
+        self.inbox = steering.open_inbox(driver.plane, driver.secret)
         try:
             self.job_file = jobfiles.write({
                 "address": driver.plane.binding.local_connect_address(),
