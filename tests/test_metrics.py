@@ -2,10 +2,17 @@
 prometheus_client endpoint while it runs, and read back from the event file TensorBoard's
 own reader opens. A worker fails on the way, so failures, pauses and the shrunken world
 size must show too.
+
+The step rate needs two progress reports of rank 0 in one round that the driver reads
+(report_progress keeps at most one every REPORT_INTERVAL_S). So rank 0 holds at steps 8,
+9 and 10, and each hold lasts until the driver has read that step's report and the
+interval since the step has passed: reports 9 and 10 both reach the driver, whatever
+the machine's speed.
 """
 
 import re
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -19,6 +26,9 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser",
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator",
     reason="tensorboard is not installed")
+
+
+REPORT_INTERVAL_S = 0.5          # elastic.report_progress drops calls closer than this
 
 
 def scrape(port):
@@ -36,7 +46,7 @@ def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path)
     job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
                          "--metrics-port", "0", "--tensorboard", str(board),
                          "--checkpoint-dir", str(tmp_path / "ckpt")],
-              env={"JOB_HOLD": "8", "JOB_EPOCHS": "2", "JOB_FAULT": "3:1:exit"}).start()
+              env={"JOB_HOLD": "8,9,10", "JOB_EPOCHS": "2", "JOB_FAULT": "3:1:exit"}).start()
     port = int(wait_until(lambda: re.search(r"metrics for Prometheus at http://0\.0\.0\.0:(\d+)/",
                                             job.output()), "the metrics line", 120).group(1))
     job.wait_step(8)                      # rank 1 failed at step 3; rank 0 holds at step 8
@@ -50,15 +60,36 @@ def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path)
 
     m = wait_until(settled, "a checkpoint, a measured pause, commit times and rate to show", 120)
     assert m[("elastic_world_size", ())] == 1
+    assert m[("elastic_round", ())] == 2 and m[("elastic_max_np", ())] == 0     # 0: no limit
     assert m[("elastic_rounds_total", ())] == 2
     assert m[("elastic_failures_total", ())] == 1
     assert m[("elastic_blacklisted_hosts", ())] == 1
+    assert m[("elastic_pauses_total", ())] == 1
     assert m[("elastic_pause_seconds_count", ())] == 1 and m[("elastic_pause_seconds_sum", ())] > 0
+    assert m[("elastic_commit_seconds", ())] > 0 and m[("elastic_sync_seconds", ())] > 0
+    assert m[("elastic_commits_per_second", ())] > 0
+    assert m[("elastic_checkpoint_bytes", ())] > 0 and m[("elastic_checkpoint_version", ())] >= 1
     assert m[("elastic_checkpoint_age_seconds", ())] >= 0
     assert m[("elastic_progress", (("name", "step"),))] >= 1
     assert ("elastic_progress", (("name", "loss"),)) in m
-    assert m[("elastic_evicted_total", ())] == 0
-    job.release(8)
+    assert m[("elastic_evicted_total", ())] == 0 and m[("elastic_drained_hosts", ())] == 0
+    assert m[("elastic_preempted_total", ())] == 0 and m[("elastic_drained_total", ())] == 0
+    # The step rate: steps 9 and 10 are reported, each read by the driver (see above).
+    for step in (8, 9, 10):
+        job.wait_step(step)
+        at = max(r["t"] for r in job.steps() if r["step"] == step)
+        if step > 8:
+            wait_until(lambda step=step: scrape(port).get(
+                ("elastic_progress", (("name", "step"),))) == step,
+                f"the driver to read step {step}'s report", 120)
+        if step < 10:
+            wait_until(lambda at=at: time.time() - at > REPORT_INTERVAL_S,
+                       "report_progress's interval since the step", 30)
+            job.release(step)
+    rate = wait_until(lambda: scrape(port).get(("elastic_steps_per_second", ())),
+                      "the step rate to show", 120)
+    assert rate > 0
+    job.release(10)
     assert job.finish() == 0, job.output()[-3000:]
 
     files = list(board.glob("events.out.tfevents.*"))
@@ -73,6 +104,8 @@ def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path)
     losses = reader.Scalars("progress/loss")
     assert len(losses) >= 2 and all(a.step <= b.step for a, b in zip(losses, losses[1:]))
     assert "progress/samples" in tags and "progress/round" not in tags
+    rates = reader.Scalars("progress/steps_per_second")
+    assert rates and rates[-1].value > 0 and all(e.value >= 0 for e in rates), rates
 
 
 def test_bad_metrics_and_tensorboard_flags_get_one_line(tmp_path, capsys):
