@@ -11,6 +11,7 @@ deadline; nothing sleeps to let something happen.
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -306,9 +307,14 @@ def test_watch_and_steer_a_real_job(tmp_path, monkeypatch, capsys):
                                env=job.env, cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
+        # top watches before the job stops (started after the stop, it would find no job).
+        drawn, _, _ = select.select([watcher.stdout], [], [], 120)
+        first = watcher.stdout.readline() if drawn else ""
+        assert "elasticctl top" in first, (first, job.output()[-3000:])
         assert ctl(job, "stop").stdout.startswith("stopping")
         assert job.finish(timeout=120) == 128 + signal.SIGTERM, job.output()[-3000:]
         seen, errors = watcher.communicate(timeout=120)     # top sees the job end, and says so
+        seen = first + seen
     finally:
         watcher.kill()
     assert watcher.returncode == 0 and "it has ended" in seen.splitlines()[-1], (seen[-500:], errors)
