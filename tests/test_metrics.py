@@ -1,7 +1,7 @@
 """--metrics-port and --tensorboard (issue 30): a real job's numbers, scraped from the real
 prometheus_client endpoint while it runs, and read back from the event file TensorBoard's
 own reader opens. A worker fails on the way, so failures, pauses and the shrunken world
-size must show too.
+size must show too, in the metrics and in `elasticctl status` (the snapshot they come from).
 
 The step rate needs two progress reports of rank 0 in one round that the driver reads
 (report_progress keeps at most one every REPORT_INTERVAL_S). So rank 0 holds at steps 8,
@@ -10,6 +10,7 @@ interval since the step has passed: reports 9 and 10 both reach the driver, what
 the machine's speed.
 """
 
+import json
 import re
 import socket
 import time
@@ -19,6 +20,8 @@ import pytest
 from jobs import Job
 from test_faults import wait_until
 
+from elastic import protocol
+from elastic.ctl import cli as ctl_cli
 from elastic.runner import cli
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser",
@@ -40,13 +43,24 @@ def scrape(port):
             for s in family.samples}
 
 
+def elasticctl_status(monkeypatch, capsys, jobs, *argv):
+    """`elasticctl status ARGV` in this process, finding the job by its job file."""
+    monkeypatch.setenv(protocol.ENV_JOBS_DIR, str(jobs))
+    code = ctl_cli.main(["status", *argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
 @pytest.mark.slow
-def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path):
-    board = tmp_path / "tb"
+def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path, monkeypatch,
+                                                                         capsys):
+    board, jobs = tmp_path / "tb", tmp_path / "jobs"
     job = Job(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
                          "--metrics-port", "0", "--tensorboard", str(board),
                          "--checkpoint-dir", str(tmp_path / "ckpt")],
-              env={"JOB_HOLD": "8,9,10", "JOB_EPOCHS": "2", "JOB_FAULT": "3:1:exit"}).start()
+              env={"JOB_HOLD": "8,9,10", "JOB_EPOCHS": "2", "JOB_FAULT": "3:1:exit",
+                   protocol.ENV_JOBS_DIR: str(jobs)}).start()
     port = int(wait_until(lambda: re.search(r"metrics for Prometheus at http://0\.0\.0\.0:(\d+)/",
                                             job.output()), "the metrics line", 120).group(1))
     job.wait_step(8)                      # rank 1 failed at step 3; rank 0 holds at step 8
@@ -74,6 +88,21 @@ def test_a_real_job_is_scraped_while_it_runs_and_its_scalars_read_back(tmp_path)
     assert ("elastic_progress", (("name", "loss"),)) in m
     assert m[("elastic_evicted_total", ())] == 0 and m[("elastic_drained_hosts", ())] == 0
     assert m[("elastic_preempted_total", ())] == 0 and m[("elastic_drained_total", ())] == 0
+    # The snapshot behind them, as elasticctl shows it: rounds, the last pause and failure,
+    # the blacklist with its cooldown, the newest checkpoint, progress with its loss.
+    status = json.loads(elasticctl_status(monkeypatch, capsys, jobs, "--json"))
+    assert [(r["round"], r["size"]) for r in status["rounds"]] == [(1, 2), (2, 1)]
+    assert status["last_pause"]["round"] == 2 and status["last_pause"]["seconds"] > 0
+    assert status["last_failure"]["host"] == "127.0.0.1"          # rank 1's host
+    assert status["hosts"]["blacklisted"] == [
+        {"host": "127.0.0.1", "failures": 1, "returns_in_s": None}]   # no cooldown range
+    newest = status["checkpoint"]["newest"]
+    assert newest["version"] >= 1 and newest["bytes"] > 0 and newest["age_s"] >= 0
+    assert isinstance(status["progress"]["loss"], float)
+    text = elasticctl_status(monkeypatch, capsys, jobs)
+    assert "blacklisted: 127.0.0.1 (1 failures, never returns)" in text, text
+    assert re.search(r"^checkpoint: .*ckpt: commit \d+, ", text, re.M), text
+    assert re.search(r"^progress: step \d+.*, loss ", text, re.M), text
     # The step rate: steps 9 and 10 are reported, each read by the driver (see above).
     for step in (8, 9, 10):
         job.wait_step(step)
