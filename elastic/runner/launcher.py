@@ -12,9 +12,10 @@ dead driver, a killed ssh client or a dropped connection leaves no remote
 orphan. A host that cannot be reached makes ssh exit with 255, which the
 driver reports as an ssh failure of that host.
 
-"Local" means this machine by name: localhost, 127.0.0.1, ::1, the host name
-and the addresses of its interfaces. Other loopback addresses such as
-127.0.0.2 count as remote, so tests can run a real sshd on them.
+"Local" means this machine: localhost, the host name, the addresses of its
+interfaces and every loopback address (``is_local``). With ELASTIC_SSH_LOOPBACK=1,
+loopback addresses other than 127.0.0.1 and ::1 count as remote, so tests can run
+a real sshd on them.
 """
 
 import collections
