@@ -102,6 +102,19 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def read_jsonl(directory, pattern):
+    """Every whole JSON line of the files in ``directory`` matching ``pattern``; workers are
+    still appending, so a line being written is skipped."""
+    records = []
+    for path in Path(directory).glob(pattern):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    return records
+
+
 # -- a stand-in driver for worker-side benchmarks -----------------------------------------
 def free_port():
     with socket.socket() as s:

@@ -25,15 +25,8 @@ WORKER = BENCH / "ddp_worker.py"
 DEADLINE_S = 300
 
 
-def _records(out, pattern="steps.*.jsonl"):
-    recs = []
-    for p in Path(out).glob(pattern):
-        for line in p.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:
-                pass      # a line being written
-    return recs
+def _records(out):
+    return common.read_jsonl(out, "steps.*.jsonl")
 
 
 def _run(launcher, args, env):

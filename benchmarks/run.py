@@ -339,14 +339,7 @@ class Job:
         tmp.rename(self.hosts_file)
 
     def jsonl(self, pattern):
-        recs = []
-        for p in self.out.glob(pattern):
-            for line in p.read_text().splitlines():
-                try:
-                    recs.append(json.loads(line))
-                except ValueError:
-                    pass  # a line being written
-        return recs
+        return common.read_jsonl(self.out, pattern)
 
     def steps(self):
         return self.jsonl("steps.*.jsonl")

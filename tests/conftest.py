@@ -6,6 +6,7 @@ identity into the test process itself, and no failed test leaves a job running.
 
 import pytest
 from jobs import Job, kill_leftover_jobs
+from join_cluster import JoinJob
 
 from elastic.protocol import ENV_ADDR
 from elastic.worker import runtime
@@ -32,3 +33,18 @@ def no_job_left_behind(monkeypatch):
     monkeypatch.setattr(Job, "start", tracked)
     yield
     kill_leftover_jobs(started)
+
+
+@pytest.fixture
+def join_job(tmp_path):
+    """Makes joining-mode jobs (join_cluster.JoinJob: a serving driver and its agents),
+    each cleaned up after the test (tests/test_join.py, tests/test_driver_restart.py)."""
+    jobs = []
+
+    def make(args, env=None, **kw):
+        job = JoinJob(tmp_path, args, env=env, **kw)
+        jobs.append(job)
+        return job
+    yield make
+    for job in jobs:
+        job.cleanup()

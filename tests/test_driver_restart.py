@@ -14,21 +14,8 @@ import sys
 import pytest
 from adversary import Outsider
 from jobs import REPO
-from join_cluster import JoinJob, wait_until
+from join_cluster import wait_until
 from procs import alive, job_workers
-
-
-@pytest.fixture
-def join_job(tmp_path):
-    jobs = []
-
-    def make(args, env=None, **kw):
-        job = JoinJob(tmp_path, args, env=env, **kw)
-        jobs.append(job)
-        return job
-    yield make
-    for job in jobs:
-        job.cleanup()
 
 
 def _kill_driver(job):

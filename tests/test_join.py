@@ -14,26 +14,13 @@ import sys
 import pytest
 from adversary import FAKE_MAC, FirstSightVandal, Outsider
 from jobs import REPO
-from join_cluster import ELASTICRUN, JoinJob, wait_until
+from join_cluster import ELASTICRUN, wait_until
 from procs import job_workers
 
 from elastic import protocol
 from elastic.checkpoint.format import list_checkpoints
 
 WORKER_LINE = re.compile(r"^\[\d+\]<stdout>:worker \d+ finished as rank \d+ of \d+$", re.M)
-
-
-@pytest.fixture
-def join_job(tmp_path):
-    jobs = []
-
-    def make(args, env=None, **kw):
-        job = JoinJob(tmp_path, args, env=env, **kw)
-        jobs.append(job)
-        return job
-    yield make
-    for job in jobs:
-        job.cleanup()
 
 
 def _workers_on(job, host):

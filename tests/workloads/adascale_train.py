@@ -21,7 +21,7 @@ import os
 
 import adascale_problem as problem
 import torch
-from job_helpers import hold
+from job_helpers import hold_or_commit
 
 import elastic
 
@@ -73,10 +73,7 @@ def main():
             "loss": problem.excess_loss(model.weight), "local_sq": float(local @ local),
             "reduced_sq": float((model.weight.grad * model.weight.grad).sum()), "lr": lr,
             "local_rank": elastic.local_rank(), "worker": WID}) + "\n")
-        if step in HOLDS:
-            hold(state, os.path.join(OUT, f"go.{step}"))
-        else:
-            state.commit()
+        hold_or_commit(state, step, HOLDS, OUT)
 
     @elastic.run
     def train(state):

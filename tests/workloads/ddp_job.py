@@ -20,7 +20,7 @@ import signal
 
 import torch
 import torch.distributed as dist
-from job_helpers import digest, hold, optimizer_tensors
+from job_helpers import digest, hold_or_commit, optimizer_tensors, train_global_batches
 
 import elastic
 
@@ -102,22 +102,11 @@ def main():
         state.batches.append(batch.global_indices)
         record["rebinds"] = model.rebinds
         log.write(json.dumps(record) + "\n")
-        if state.step in HOLDS:
-            hold(state, os.path.join(OUT, f"go.{state.step}"))
-        else:
-            state.commit()
+        hold_or_commit(state, state.step, HOLDS, OUT)
 
     @elastic.run
     def train(state):
-        while state.step < STEPS:
-            state.sampler.set_epoch(state.epoch)
-            for batch in state.sampler.global_batches(model, micro_batch_size=MICRO):
-                train_step(batch)
-                if state.step >= STEPS:
-                    break
-            else:
-                state.epoch += 1
-                state.commit()
+        train_global_batches(state, model, STEPS, MICRO, train_step)
 
     train(state)
     with open(os.path.join(OUT, f"final.{elastic.rank()}.json"), "w") as f:

@@ -16,7 +16,7 @@ import json
 import os
 
 import torch
-from job_helpers import hold
+from job_helpers import hold_or_commit, train_global_batches
 
 import elastic
 
@@ -84,22 +84,11 @@ def main():
                               "round": w.round_id if w else 0, "local_rank": elastic.local_rank(),
                               "host": os.environ.get("ELASTIC_HOSTNAME", ""),
                               "share": len(batch.indices), "worker": WID}) + "\n")
-        if step in HOLDS:
-            hold(state, os.path.join(OUT, f"go.{step}"))
-        else:
-            state.commit()
+        hold_or_commit(state, step, HOLDS, OUT)
 
     @elastic.run
     def train(state):
-        while state.step < STEPS:
-            state.sampler.set_epoch(state.epoch)
-            for batch in state.sampler.global_batches(opt, micro_batch_size=MICRO):
-                train_step(batch)
-                if state.step >= STEPS:
-                    break
-            else:
-                state.epoch += 1
-                state.commit()
+        train_global_batches(state, opt, STEPS, MICRO, train_step)
 
     train(state)
     rank = elastic.rank()

@@ -11,6 +11,7 @@ Every check runs on every rank; an error is expected on every rank.
 import warnings
 
 import torch
+from job_helpers import raises, same
 
 import elastic.torch as hvd
 
@@ -21,20 +22,6 @@ HOROVOD_NAMES_ATTRIBUTE = "_parameter_names"     # what Horovod scripts read
 def check(fn):
     CHECKS[fn.__name__] = fn
     return fn
-
-
-def raises(kinds, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except kinds as exc:
-        return exc
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {kinds}")
-
-
-def same(a, b):
-    assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.equal(a, b), (a.flatten()[:8], b.flatten()[:8])
 
 
 # -- named async ops, matched by name ------------------------------------------------------

@@ -15,6 +15,7 @@ import traceback
 
 import hvd_fidelity_checks
 import torch
+from job_helpers import raises, same
 
 import elastic.torch as hvd
 
@@ -29,25 +30,11 @@ def check(fn):
     return fn
 
 
-def raises(kinds, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except kinds as exc:
-        return exc
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {kinds}")
-
-
 def sample(dim, dtype, seed=1234, lo=-100, hi=100):
     torch.manual_seed(seed)
     if dtype in (torch.uint8, torch.bool):
         lo = 0
     return torch.empty([17] * dim).random_(lo, hi).to(dtype)
-
-
-def same(a, b):
-    assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.equal(a, b), (a.flatten()[:8], b.flatten()[:8])
 
 
 # -- basics ------------------------------------------------------------------------------

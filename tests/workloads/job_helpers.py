@@ -47,3 +47,44 @@ def hold(state, go_file):
         if int(elastic.broadcast(go, 0)):
             return
         time.sleep(0.05)
+
+
+def hold_or_commit(state, step, holds, out):
+    """After ``step``: hold there (until ``out``/go.<step> exists) if it is one of
+    ``holds``, else commit."""
+    if step in holds:
+        hold(state, os.path.join(out, f"go.{step}"))
+    else:
+        state.commit()
+
+
+def train_global_batches(state, owner, steps, micro_batch_size, train_step):
+    """The constant-global-batch loop, as the body of an ``@elastic.run`` function:
+    ``train_step(batch)`` for each global batch of ``state.sampler`` (``owner``: what
+    ``global_batches`` scales, the optimizer or an elastic.DDP model) until ``state.step``
+    reaches ``steps``, with a commit at each epoch's end."""
+    while state.step < steps:
+        state.sampler.set_epoch(state.epoch)
+        for batch in state.sampler.global_batches(owner, micro_batch_size=micro_batch_size):
+            train_step(batch)
+            if state.step >= steps:
+                return
+        state.epoch += 1
+        state.commit()
+
+
+# -- checks a workload makes on every rank --------------------------------------------------
+def raises(kinds, fn, *args, **kwargs):
+    """The exception ``fn(*args, **kwargs)`` raised, which must be one of ``kinds``."""
+    try:
+        fn(*args, **kwargs)
+    except kinds as exc:
+        return exc
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {kinds}")
+
+
+def same(a, b):
+    """``a`` and ``b`` are equal tensors, dtype and shape included."""
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.equal(a, b), (a.flatten()[:8], b.flatten()[:8])
