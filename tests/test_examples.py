@@ -1,5 +1,6 @@
 """The training examples run here with no downloads, alone and under elasticrun."""
 
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,21 @@ def test_ddp_example_from_the_torchrun_page_trains_under_elasticrun(tmp_path):
     losses = [float(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines()
               if ": 2 workers, loss " in line]
     assert len(losses) == 3 and losses[-1] < losses[0] / 4, run.stdout
+
+
+def test_the_torchrun_page_diff_is_what_the_ddp_example_changes():
+    """docs/torchrun.md's diff and examples/train_ddp.py, its "after" side, agree: every
+    elastic call the diff adds is in the example, and no torch.distributed set-up it
+    removes is left there."""
+    page = (REPO / "docs" / "torchrun.md").read_text()
+    diff = re.search(r"```diff\n(.*?)```", page, re.S).group(1).splitlines()
+    example = (REPO / "examples" / "train_ddp.py").read_text()
+    added = {name for line in diff if line.startswith("+")
+             for name in re.findall(r"\b(?:elastic|state)(?:\.\w+)+", line)}
+    removed_call = r"(?<![\w.])(?:dist\.\w+|DDP|DistributedSampler)\("
+    removed = {call for line in diff if line.startswith("-")
+               for call in re.findall(removed_call, line)}
+    assert {"elastic.init", "elastic.DDP", "elastic.run", "state.commit"} <= added
+    assert {"dist.init_process_group(", "DDP(", "DistributedSampler("} <= removed
+    assert sorted(name for name in added if name not in example) == []
+    assert sorted(set(re.findall(removed_call, example)) & removed) == []
