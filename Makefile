@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install ssh-server tmux test test-fast demo bench scale gpu-check soak lint clean
+.PHONY: install ssh-server tmux test test-fast demo bench bench-net scale gpu-check soak lint clean
 
 install: $(STAMP) ssh-server tmux
 
@@ -60,6 +60,11 @@ demo: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py
+
+# Sync and DDP between hosts of their own (network namespaces, links shaped with tc tbf;
+# needs root, else it prints one line and exits 0): docs/benchmarks.md.
+bench-net: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/net_bench.py
 
 # The real driver against 256, 1,024 and 4,096 simulated workers (not part of `make test`,
 # which runs a 12-worker version: tests/test_scale.py), then the driver's decisions alone.

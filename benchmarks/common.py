@@ -138,22 +138,24 @@ def publish_round(cs, round_id, worker_ids):
     publish(cs, round_id, worker_ids)
 
 
-def launch(script, n, args=(), timeout=240, env=None):
+def launch(script, n, args=(), timeout=240, env=None, addr="127.0.0.1", prefixes=None):
     """Run n copies of `script` as round 1 of a job; returns each rank's result JSON.
 
     Each worker writes $BENCH_OUT/result.<rank>.json. A failure raises with the
-    workers' stderr; past `timeout` every worker is killed.
+    workers' stderr; past `timeout` every worker is killed. ``addr``: where the control
+    store listens; ``prefixes``: an argv prefix per rank (the network bench runs each
+    rank in a namespace of its own with ``ip netns exec``).
     """
     from elastic import protocol as control
     from elastic.protocol import ControlStore
 
     port, secret = free_port(), secrets.token_hex(16)
-    store = control.connect("127.0.0.1", port, timeout, is_master=True)
+    store = control.connect(addr, port, timeout, is_master=True)
     cs = ControlStore(store, secret)
     publish_round(cs, 1, [f"b{r}" for r in range(n)])
     with tempfile.TemporaryDirectory(prefix="bench-") as out:
         full_env = base_env()
-        full_env.update({control.ENV_ADDR: "127.0.0.1", control.ENV_PORT: str(port),
+        full_env.update({control.ENV_ADDR: addr, control.ENV_PORT: str(port),
                          control.ENV_SECRET: secret, "ELASTIC_COLLECTIVE_TIMEOUT": str(timeout),
                          "BENCH_OUT": out, "BENCH_DDP_PORT": str(free_port())})
         full_env.update(env or {})
@@ -161,7 +163,8 @@ def launch(script, n, args=(), timeout=240, env=None):
         for r in range(n):
             err = open(os.path.join(out, f"err.{r}"), "w+")
             procs.append((subprocess.Popen(
-                [sys.executable, str(script), *map(str, args)],
+                [*(prefixes[r] if prefixes else ()), sys.executable, str(script),
+                 *map(str, args)],
                 env={**full_env, control.ENV_WORKER_ID: f"b{r}"},
                 stdout=None if os.environ.get("BENCH_SHOW") else err,
                 stderr=subprocess.STDOUT, cwd=str(REPO)), err))

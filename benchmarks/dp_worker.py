@@ -42,9 +42,15 @@ def steady(res, o):
 
     reps, steps, batch = int(o.get("reps", 5)), int(o.get("steps", 4)), int(o.get("batch", 16))
     rank, size = elastic.rank(), elastic.size()
-    store = dist.TCPStore("127.0.0.1", int(os.environ["BENCH_DDP_PORT"]), size, rank == 0,
-                          timeout=timedelta(seconds=120), use_libuv=True)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    # torch DDP gets a gloo group of its own, as under torchrun: where the round's group
+    # is already torch's default group, a new group beside it; else a job of its own.
+    own = not dist.is_initialized()
+    if own:
+        store = dist.TCPStore(os.environ.get("BENCH_DDP_ADDR", "127.0.0.1"),
+                              int(os.environ["BENCH_DDP_PORT"]), size, rank == 0,
+                              timeout=timedelta(seconds=120), use_libuv=True)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    ddp_group = None if own else dist.new_group(backend="gloo")
     kinds = o.get("kinds", "mlp:cnn:deep").split(":")
     for kind, build in (("mlp", common.mlp_10m), ("cnn", common.small_cnn),
                         ("deep", common.deep_64)):
@@ -60,7 +66,7 @@ def steady(res, o):
         opt_e = elastic.DistributedOptimizer(sgd(m_e), named_parameters=m_e.named_parameters())
         opt_f = elastic.DistributedOptimizer(sgd(m_f), named_parameters=m_f.named_parameters(),
                                              compression=elastic.Compression.fp16)
-        ddp = DDP(m_d)
+        ddp = DDP(m_d, process_group=ddp_group)
         opt_d = sgd(ddp)
         batches = [common.batch_for(kind, batch, 1000 * rank + i) for i in range(4)]
 
@@ -82,7 +88,7 @@ def steady(res, o):
         for rep in range(int(o.get(f"reps_{kind}", reps))):
             order = ["elastic", "ddp"] if rep % 2 == 0 else ["ddp", "elastic"]
             for name in order:
-                dist.barrier()
+                dist.barrier(group=ddp_group)
                 t0 = now()
                 sides[name](steps)
                 times[name].append((now() - t0) / steps)
@@ -95,7 +101,8 @@ def steady(res, o):
                      "buckets": opt_e.bucket_count}
         del m_e, m_d, m_f, opt_e, opt_d, opt_f, ddp, sides, fp16
         gc.collect()
-    dist.destroy_process_group()
+    if own:
+        dist.destroy_process_group()
 
 
 # -- sync ---------------------------------------------------------------------------------
@@ -203,22 +210,24 @@ def sync(res, o):
     rank, size = elastic.rank(), elastic.size()
     newcomers = set(range(holders, size))
 
+    kind = o.get("model", "mlp")                    # mlp: 10M params; mlp1m: 1M
+
     def fresh():
         torch.manual_seed(100 + rank)
-        model = common.mlp_10m()
+        model = {"mlp": common.mlp_10m, "mlp1m": common.mlp_1m}[kind]()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         return TorchState(model, opt, step=0)
 
     state = fresh()
     state.sync()                                    # rank 0's model everywhere
-    one_step(state.model, state.optimizer, "mlp")   # the same step: Adam state everywhere
+    one_step(state.model, state.optimizer, kind)    # the same step: Adam state everywhere
     state.commit()
     nbytes = state.snapshot.nbytes()
     buf = torch.full((nbytes // 4,), float(rank))
     raw_broadcast_s(buf)                            # warm the path once
     by_k = {k: [] for k in ks}
     sent = {k: [] for k in ks}
-    bcast_s, fresh_s, parts = [], [], []
+    bcast_s, fresh_s, parts, separate_s = [], [], [], []
     mine = state
     for rep in range(reps):
         if rep % 2:
@@ -231,6 +240,12 @@ def sync(res, o):
             by_k[k].append(dt)
             sent[k].append(mine.sync_stats["bytes_sent"] - before)
             parts.append(ph)
+        if o.get("separate"):       # the same newcomers one at a time, from one sender
+            os.environ["ELASTIC_SYNC_MAX_SENDERS"] = "1"
+            for n in sorted(newcomers):
+                _mine, dt, _ph = newcomer_sync_s(state, fresh, phases, {n})
+                if n == rank:
+                    separate_s.append(dt)
         if rep % 2 == 0:
             fresh_s.append(raw_broadcast_s(buf, fresh=True))
             bcast_s.append(raw_broadcast_s(buf))
@@ -253,7 +268,8 @@ def sync(res, o):
     res["sync"] = {"bytes": nbytes, "sync_s": by_k[ks[0]], "by_k": by_k, "sent": sent,
                    "bcast_cpu_s": RAW_CPU[False][1:], "bcast_fresh_cpu_s": RAW_CPU[True],
                    "bcast_s": bcast_s, "phases": parts, "bcast_fresh_s": fresh_s,
-                   "noop_moved_bytes": moved, "noop_sync_s": noop_s, "commit_s": commit_s,
+                   "noop_moved_bytes": moved, "separate_s": separate_s, "noop_sync_s": noop_s,
+                   "commit_s": commit_s,
                    "stats": mine.sync_stats}
 
 

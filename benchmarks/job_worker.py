@@ -7,13 +7,16 @@ Writes under $BENCH_OUT, one JSON line per event, wall-clock (time.time()) stamp
                      (new round formed), sync start/end with bytes moved
   kill.json          written by the rank that SIGKILLs itself, just before it does
 Knobs: BENCH_KILL="step:rank" kills that rank at the start of that step (once per job);
-BENCH_STEP_SLEEP stands in for compute; the job ends when $BENCH_OUT/stop exists
+BENCH_STEP_SLEEP stands in for compute; a file $BENCH_OUT/stuck.<wid> blocks that
+worker's training thread (its heartbeat lives on) while it exists; the job ends when $BENCH_OUT/stop exists
 (rank 0 decides, every rank learns it by broadcast) or after BENCH_MAX_STEPS.
+BENCH_MODEL=mlp10m trains benchmarks/common.py's 10M MLP (120 MB of state with Adam).
 """
 
 import json
 import os
 import signal
+import sys
 import time
 
 T_START = time.time()
@@ -24,12 +27,16 @@ import torch.nn.functional as F  # noqa: E402
 import elastic  # noqa: E402
 from elastic.exceptions import HostsUpdatedInterrupt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 T_IMPORTED = time.time()
 OUT = os.environ["BENCH_OUT"]
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
 KILL = os.environ.get("BENCH_KILL", "")
 SLEEP = float(os.environ.get("BENCH_STEP_SLEEP", "0.01"))
 MAX_STEPS = int(os.environ.get("BENCH_MAX_STEPS", "5000"))
+MODEL = os.environ.get("BENCH_MODEL", "tiny")
 
 
 def line_log(name):
@@ -84,17 +91,22 @@ def maybe_kill(step):
 
 def main():
     with open(os.path.join(OUT, f"start.{WID}"), "w") as f:
-        json.dump({"t_start": T_START, "t_imported": T_IMPORTED}, f)
+        json.dump({"t_start": T_START, "t_imported": T_IMPORTED, "pid": os.getpid(),
+                   "host": os.environ.get("ELASTIC_HOSTNAME")}, f)
     elastic.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 10))
+    if MODEL == "mlp10m":          # 120 MB of state with Adam: the sync-pause row
+        model = common.mlp_10m()
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 10))
     optimizer = elastic.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                              named_parameters=model.named_parameters())
     state = TimedState(model, optimizer, step=0)
     state.register_reset_callbacks([lambda: event("joined", size=elastic.size())])
     g = torch.Generator().manual_seed(int(os.environ.get("ELASTIC_RANK", "0")))
-    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    width = 1024 if MODEL == "mlp10m" else 64
+    x, y = torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
     steps = line_log(f"steps.{WID}.jsonl")
 
     @elastic.run
@@ -102,6 +114,8 @@ def main():
         while state.step < MAX_STEPS:
             step = state.step + 1
             maybe_kill(step)
+            while os.path.exists(os.path.join(OUT, f"stuck.{WID}")):
+                time.sleep(0.05)        # a stuck training thread; the heartbeat lives on
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()

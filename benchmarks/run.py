@@ -22,6 +22,10 @@ Sections (worker scripts in this folder):
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
+  syncpause sync_pause_bench.py: survivors' pause admitting a newcomer that needs 120 MB vs a
+            raw broadcast of the same bytes into fresh memory (the README's span)
+  churn     churn_bench.py: goodput while a random worker is SIGKILLed every 10 s for 90 s
+  churnmix  churn_bench.py: the same with mixed faults (SIGTERM, SIGSTOP, stuck, hosts)
   fsdp      fsdp_bench.py: ShardedState (FSDP2) on 4 workers: bytes held per rank, commit
             with vs without redundancy, a 3 -> 4 reshard vs bytes moved / link bandwidth
 BENCH_ONLY=steady,commit,... runs a subset (written to results-partial.md, so the full
@@ -751,6 +755,33 @@ def bench_ddp():
     NOTES.extend(notes)
 
 
+@section("sync pause: the survivors' span, 120 MB to one newcomer")
+def bench_sync_pause():
+    import sync_pause_bench
+    got, notes = sync_pause_bench.rows(Job, quick=QUICK)
+    for r in got:
+        row(*r)
+    NOTES.extend(notes)
+
+
+@section("goodput under churn: a random worker SIGKILLed every 10 s")
+def bench_churn():
+    import churn_bench
+    got, notes = churn_bench.rows(Job, quick=QUICK)
+    for r in got:
+        row(*r)
+    NOTES.extend(notes)
+
+
+@section("goodput under churn: mixed faults every 10 s")
+def bench_churn_mixed():
+    import churn_bench
+    got, notes = churn_bench.rows(Job, quick=QUICK, mixed=True)
+    for r in got:
+        row(*r)
+    NOTES.extend(notes)
+
+
 def main():
     import torch
     only = set(filter(None, os.environ.get("BENCH_ONLY", "").split(",")))
@@ -760,7 +791,9 @@ def main():
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
                      ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale),
                      ("ddp", bench_ddp), ("fsdp", bench_fsdp),
-                     ("driverrestart", bench_driver_restart)):
+                     ("driverrestart", bench_driver_restart), ("syncpause", bench_sync_pause),
+                     ("churn", bench_churn),
+                     ("churnmix", bench_churn_mixed)):
         if not only or name in only:
             fn()
     recovery_rows()

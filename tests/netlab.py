@@ -66,6 +66,15 @@ def why_no_lab():
     return None
 
 
+def tc_rate_bits(rate):
+    """Bits per second of a tc rate such as "300mbit", "1gbit" or "50000kbit"."""
+    units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return int(float(rate[:-len(unit)]) * scale)
+    raise ValueError(f"unknown rate {rate!r} (use e.g. 300mbit or 1gbit)")
+
+
 class Host:
     def __init__(self, lab, index, name):
         self.lab, self.index, self.name = lab, index, name
@@ -134,6 +143,24 @@ class Lab:
 
     def link_up(self, host):
         _ip("-n", host.ns, "link", "set", "eth0", "up")
+
+    def shape(self, host, up=None, down=None):
+        """Rate-limit a host's link with ``tbf`` (rates as tc writes them, "300mbit"):
+        ``up`` what it sends (its eth0), ``down`` what it receives (its bridge port).
+        None leaves that direction as it is; the lab's namespaces go with close()."""
+        if shutil.which("tc") is None:
+            raise Unsupported("tc (iproute2) is not installed")
+        for ns, dev, rate in ((host.ns, "eth0", up), (self.switch, host.port, down)):
+            if rate is None:
+                continue
+            # burst: a few GSO super-packets (tbf splits what exceeds it) and at least
+            # one timer tick of the rate; latency bounds the queue.
+            burst = max(256 << 10, tc_rate_bits(rate) // 8 // 100)
+            done = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root",
+                                   "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"],
+                                  capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                raise Unsupported(f"tc tbf on {dev} was refused: {done.stderr.strip()}")
 
     def netem(self, host, *spec):
         """``tc qdisc ... netem SPEC`` on the host's link; Unsupported where netem is missing."""

@@ -32,7 +32,7 @@ from elastic.runner.decisions import (
     evolve,
 )
 from elastic.runner.hosts import HostManager
-from elastic.runner.policy import FAILURE_REPORT_GRACE_S, JOIN_BATCH_S, decide
+from elastic.runner.policy import FAILURE_REPORT_GRACE_S, JOIN_BATCH_S, JOIN_TOGETHER_S, decide
 
 
 class World:
@@ -181,6 +181,22 @@ def test_growth_spawns_newcomers_then_batches_them_into_one_new_round():
     (publish,) = world.tick(4.0)
     assert publish.round_id == 2 and publish.change == "+2 on b"
     assert world.job.resets == 1
+
+
+def test_a_ready_replacement_is_not_held_back_by_one_spawned_much_later():
+    """Churn: a replacement ready to join does not wait (up to JOIN_BATCH_S) for the
+    replacement of a later crash that is still importing torch."""
+    world = World({"a": 2}, Limits(np=2, min_np=1, max_np=8))
+    world.running()
+    world.hosts.update({"a": 2, "b": 1}, 2.0)
+    assert kinds(world.tick(2.0)) == ["Spawn"]        # worker 2 on b
+    later = 2.0 + JOIN_TOGETHER_S + 1                 # well within JOIN_BATCH_S
+    assert later + 1 < 2.0 + JOIN_BATCH_S
+    world.hosts.update({"a": 2, "b": 1, "c": 1}, later)
+    assert kinds(world.tick(later)) == ["Spawn"]      # worker 3 on c
+    world.ready("2")
+    (publish,) = world.tick(later + 1)
+    assert isinstance(publish, Publish) and publish.change == "+1 on b"
 
 
 def test_growth_beyond_max_np_is_not_spawned():

@@ -2,6 +2,7 @@
 worker host in its own network namespace on one bridge, workers started through
 elasticrun's remote path. Skipped, with one reason, where namespaces are refused."""
 
+import subprocess
 import time
 
 import pytest
@@ -114,3 +115,43 @@ def test_a_host_partitioned_from_its_peers_while_all_reach_the_store_is_blamed(
     lines = driver_lines(job)
     assert not any(f"blacklisting host {h.addr}" in line for h in (a, b) for line in lines), \
         lines
+
+
+def test_the_net_bench_lab_shapes_each_direction_and_leaves_no_namespace_behind():
+    """`make bench-net`'s lab (benchmarks/net_bench.py): tbf on a host's eth0 limits what
+    it sends, on its bridge port what it receives; unshaping removes it; close() deletes
+    every namespace it made."""
+    import sys
+    from pathlib import Path
+
+    from netlab import why_no_lab
+    reason = why_no_lab()
+    if reason:
+        pytest.skip(reason)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import net_bench
+
+    def qdisc(ns, dev):
+        return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                              text=True, timeout=30).stdout
+
+    def namespaces():
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                              timeout=30).stdout
+
+    made = net_bench.NetLab(2)
+    ours = [h.ns for h in made.hosts] + [made.ctl.ns, made.lab.switch]
+    try:
+        assert all(ns in namespaces() for ns in ours)
+        made.shape(up="300mbit", down="600mbit")
+        for host in made.hosts:
+            assert "tbf" in qdisc(host.ns, "eth0") and "300Mbit" in qdisc(host.ns, "eth0")
+            assert "600Mbit" in qdisc(made.lab.switch, host.port)
+        made.shape(hosts=made.hosts[:1])
+        assert "tbf" not in qdisc(made.hosts[0].ns, "eth0")
+        assert "tbf" not in qdisc(made.lab.switch, made.hosts[0].port)
+        assert "tbf" in qdisc(made.hosts[1].ns, "eth0")
+    finally:
+        made.close()
+    left = namespaces()
+    assert not any(ns in left for ns in ours), left

@@ -54,6 +54,8 @@ from elastic.runner.stalls import StallView, describe, find_stalls, long_waits
 from elastic.runner.verdicts import FAILURE_REPORT_GRACE_S  # noqa: F401 - tests read it here
 
 JOIN_BATCH_S = 15.0            # newcomers still importing torch are awaited this long
+JOIN_TOGETHER_S = 2.0          # ... if spawned this close after the first ready one: a
+                               # later replacement (churn) does not hold back a ready one
 
 
 def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_reports,
@@ -424,16 +426,25 @@ class _Tick:
         if job.short_since is not None:
             self.emit(MarkShort(None))
         removals = job.member_set - {m["worker_id"] for m in target}
-        if not reforming and not removals and self.any_starting():
-            return   # batch newcomers that are still starting up
+        if not reforming and not removals and self.any_starting(
+                spawned_by=self.first_newcomer_start(target) + JOIN_TOGETHER_S):
+            return   # batch newcomers spawned together that are still starting up
         if holders.may_form(self, target):
             self.publish(target)
 
-    def any_starting(self, waited_at_most=JOIN_BATCH_S):
-        """A newcomer is still importing torch (and has not been waited for too long)."""
+    def any_starting(self, waited_at_most=JOIN_BATCH_S, spawned_by=float("inf")):
+        """A newcomer is still importing torch (and has not been waited for too long);
+        only one started by ``spawned_by`` counts."""
         now = self.now
         return any(not w.ready and not w.stopped and now - w.started < waited_at_most
-                   for w in self.workers.values())
+                   and w.started <= spawned_by for w in self.workers.values())
+
+    def first_newcomer_start(self, target):
+        """When the earliest-started ready newcomer in ``target`` was spawned."""
+        members = self.job.member_set
+        return min((self.workers[m["worker_id"]].started for m in target
+                    if m["worker_id"] not in members and m["worker_id"] in self.workers),
+                   default=self.now)
 
     def ready_are_members(self, slots, ready):
         """True when the ``ready`` workers on wanted slots are exactly the current round's

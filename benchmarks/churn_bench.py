@@ -1,0 +1,195 @@
+"""Goodput under churn, rows of `make bench` (`BENCH_ONLY=churn` / `churnmix`).
+
+A real elasticrun job of job_worker.py on 4 single-slot loopback hosts (discovery
+lists them), a commit every step. After a warm-up at full size, one fault every
+``EVERY_S`` for ``WINDOW_S``: ``churn`` SIGKILLs a random training worker each time;
+``churnmix`` cycles SIGKILL, SIGTERM (its host leaves discovery and comes back, as a
+spot reclaim and replacement), SIGSTOP, a stuck training thread, a host removed and
+added back. The driver brings every lost slot back (blacklist cooldown 1-2 s).
+
+goodput = committed steps in the window × the median full-size step ÷ the window's
+wall time. The loss is split by walking rank 0's step records through the window:
+each interval between two steps is one median step of useful work plus an excess,
+and the excess is put where it belongs: a round change (pauses), a step done again
+after a rollback (rolled back), a step that ran while a replacement was starting
+(respawn CPU: its python imports torch on the same 2 cores), or any other slow step.
+A smaller world shows in the sample-weighted goodput beside it (each step counts
+size / 4 of a full one).
+"""
+
+import json
+import os
+import random
+import signal
+import time
+
+from common import median
+
+HOSTS = [f"127.0.0.{i}:1" for i in range(2, 6)]
+WINDOW_S = float(os.environ.get("BENCH_CHURN_WINDOW", "90"))
+EVERY_S = 10.0
+MIX = ("kill", "term", "stop", "remove", "stuck", "add", "kill", "term", "kill")
+DETECT_S = 5      # --worker-timeout and --stall-timeout of the mixed run: SIGSTOP, stuck
+
+
+def _last_step_times(job):
+    """wid -> time of its newest step record."""
+    out = {}
+    for p in job.out.glob("steps.*.jsonl"):
+        lines = p.read_text().splitlines()
+        for line in reversed(lines):
+            try:
+                out[p.name.split(".")[1]] = json.loads(line)["t"]
+                break
+            except ValueError:
+                continue
+    return out
+
+
+def _training(job):
+    """{wid: start record} of workers that completed a step in the last second."""
+    now = time.time()
+    starts = {p.name.split(".", 1)[1]: json.loads(p.read_text())
+              for p in job.out.glob("start.*")}
+    return {w: starts[w] for w, t in _last_step_times(job).items()
+            if now - t < 1.0 and w in starts}
+
+
+def _fault(job, kind, rng, listed, log):
+    live = _training(job)
+    if kind == "add":
+        missing = [h for h in HOSTS if h not in listed]
+        if missing:
+            listed.append(missing[0])
+            job.set_hosts(listed)
+        return "add " + (missing[0] if missing else "(none missing)")
+    if not live:
+        return f"{kind}: no training worker"
+    wid = rng.choice(sorted(live))
+    pid, host = live[wid]["pid"], live[wid].get("host")
+    if kind == "kill":
+        os.kill(pid, signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(pid, signal.SIGSTOP)
+    elif kind == "stuck":
+        (job.out / f"stuck.{wid}").write_text("")
+    elif kind == "term":        # a spot reclaim: SIGTERM, its host leaves, a new one comes
+        os.kill(pid, signal.SIGTERM)
+        entry = next((h for h in listed if h.split(":")[0] == host), None)
+        if entry:
+            listed.remove(entry)
+            job.set_hosts(listed)
+    elif kind == "remove":
+        entry = next((h for h in listed if h.split(":")[0] == host), None)
+        if entry:
+            listed.remove(entry)
+            job.set_hosts(listed)
+    return f"{kind} {wid} on {host}"
+
+
+def run_churn(Job, kinds, quick=False):  # noqa: N803 - run.Job, passed in (no import cycle)
+    """One churn run; returns (analysis dict, list of fault descriptions)."""
+    rng = random.Random(1)
+    window = 30.0 if quick else WINDOW_S
+    args = ["-np", "4", "--min-np", "2", "--blacklist-cooldown-range", "1", "2",
+            "--worker-timeout", str(DETECT_S), "--stall-timeout", str(DETECT_S)]
+    done = []
+    with Job(args, hosts=list(HOSTS), env={"BENCH_STEP_SLEEP": "0.02",
+                                           "BENCH_MAX_STEPS": "100000"}) as job:
+        listed = list(HOSTS)
+        job.wait_for(lambda: len([r for r in job.steps() if r["size"] == 4]) >= 4 * 40,
+                     "40 steps at 4 workers", timeout=240)
+        t0 = time.time()
+        for i in range(int(window // EVERY_S)):
+            while time.time() < t0 + i * EVERY_S:
+                time.sleep(0.02)
+            kind = kinds[i % len(kinds)]
+            done.append((round(time.time() - t0, 1), _fault(job, kind, rng, listed, None)))
+            if kind == "term":         # its replacement host shows up 2 s later
+                pending = [h for h in HOSTS if h not in listed]
+                while time.time() < t0 + i * EVERY_S + 2:
+                    time.sleep(0.02)
+                listed.extend(pending[:1])
+                job.set_hosts(listed)
+        while time.time() < t0 + window:
+            time.sleep(0.05)
+        t1 = time.time()
+        job.set_hosts(list(HOSTS))
+        starts = {p.name.split(".", 1)[1]: json.loads(p.read_text())
+                  for p in job.out.glob("start.*")}
+        for p in job.out.glob("start.*"):   # SIGCONT the stopped, so the driver can end
+            try:
+                os.kill(json.loads(p.read_text())["pid"], signal.SIGCONT)
+            except (ProcessLookupError, KeyError, ValueError):
+                pass
+        steps = job.steps()
+        first = {}
+        for p in job.out.glob("steps.*.jsonl"):
+            line = p.read_text().split("\n", 1)[0]
+            if line.strip():
+                first[p.name.split(".")[1]] = json.loads(line)["t"]
+        try:
+            job.finish(timeout=120)
+        except RuntimeError:
+            pass      # an unclean end does not change what was trained in the window
+    if os.environ.get("BENCH_CHURN_DUMP"):     # the raw records, to look into a run
+        with open(os.environ["BENCH_CHURN_DUMP"], "w") as f:
+            json.dump({"steps": steps, "starts": starts, "first": first, "t0": t0, "t1": t1,
+                       "faults": done}, f)
+    return analyse(steps, starts, first, t0, t1), done
+
+
+def analyse(steps, starts, first, t0, t1):
+    """``first``: wid -> its first step's time (a replacement's start ends there)."""
+    full = sorted((r for r in steps if r["rank"] == 0 and r["t"] < t0 and r["size"] == 4),
+                  key=lambda r: r["t"])
+    med = median([b["t"] - a["t"] for a, b in zip(full, full[1:]) if a["round"] == b["round"]])
+    r0 = sorted((r for r in steps if r["rank"] == 0 and t0 <= r["t"] <= t1), key=lambda r: r["t"])
+    spawns = [(s["t_start"], first.get(w, t1)) for w, s in starts.items() if s["t_start"] > t0]
+    parts = {"pauses": 0.0, "rolled back": 0.0, "respawn CPU": 0.0, "slow steps": 0.0}
+    rolled, changes, sample_steps = 0, 0, 0.0
+    for a, b in zip(r0, r0[1:]):
+        excess = (b["t"] - a["t"]) - med
+        if b["step"] <= a["step"]:
+            redo = a["step"] - b["step"] + 1
+            rolled += redo
+            parts["rolled back"] += redo * med
+        if b["round"] != a["round"]:
+            changes += 1
+            parts["pauses"] += excess
+        elif any(s < b["t"] and a["t"] < e for s, e in spawns):
+            parts["respawn CPU"] += excess
+        else:
+            parts["slow steps"] += excess
+        sample_steps += b["size"] / 4
+    wall = r0[-1]["t"] - r0[0]["t"]
+    progress = (r0[-1]["step"] - r0[0]["step"])
+    goodput = progress * med / wall
+    by_samples = (sample_steps - rolled) * med / wall
+    return {"goodput": goodput, "by_samples": by_samples, "median_step": med, "wall": wall,
+            "steps": progress, "rolled": rolled, "changes": changes, "respawned": len(spawns),
+            "loss": {k: v / wall for k, v in parts.items()},
+            "import_s": median([s["t_imported"] - s["t_start"] for s in starts.values()
+                                if s["t_start"] > t0])}
+
+
+def rows(Job, quick=False, mixed=False):  # noqa: N803
+    kinds = MIX if mixed else ("kill",)
+    a, done = run_churn(Job, kinds, quick)
+    what = ("mixed faults (SIGKILL, SIGTERM + host replaced, SIGSTOP, stuck thread, host "
+            "removed and added)" if mixed else "a random worker SIGKILLed")
+    target = 0.95 if mixed else 0.98
+    loss = ", ".join(f"{k} {100 * v:.1f} %" for k, v in a["loss"].items())
+    got = [(f"goodput under churn: {what} every {EVERY_S:.0f} s for {a['wall']:.0f} s, 4 "
+            "single-slot hosts, commit every step: committed steps × median full-size step ÷ "
+            "wall time; the loss split",
+            f"{100 * a['goodput']:.1f} % ({a['steps']} steps × {a['median_step'] * 1e3:.0f} ms "
+            f"in {a['wall']:.1f} s); loss: {loss}; sample-weighted (smaller world) "
+            f"{100 * a['by_samples']:.1f} %",
+            "no faults: 100 %", f"{a['goodput']:.3f}", f"≥ {100 * target:.0f} %",
+            "yes" if a["goodput"] >= target else "**no**: see notes")]
+    notes = [f"churn ({'mixed' if mixed else 'SIGKILL'}): faults at " + "; ".join(
+        f"+{t} s {d}" for t, d in done) + f"; {a['changes']} round changes, {a['rolled']} "
+        f"steps rolled back, {a['respawned']} workers respawned (python + import torch "
+        f"{a['import_s'] or 0:.1f} s each, median)"]
+    return got, notes
