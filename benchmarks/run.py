@@ -732,8 +732,8 @@ def bench_driver_restart():
         details.append(detail)
     e, b = median(lost), median(steps)
     row("driver restart (elasticrun --serve SIGKILLed, the same command run again; 2 agents): "
-        "training time lost from the kill to the adopted round's first step, the restart "
-        "excluded (workers train on meanwhile) vs one steady step",
+        "training time lost (no step completing) from the kill to the adopted round's first "
+        "step, the restart excluded (workers train on meanwhile) vs one steady step",
         secs(e), ms(b), f"{e / b:.0f} steps", "≤ 2 s", yes(e <= 2.0))
     NOTES.append("driver restart, per repeat: " + "; ".join(details))
 

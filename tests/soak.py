@@ -435,6 +435,86 @@ def rank0_phase(directory, phase_s):
         assert resumed and int(resumed[0]) == newest, (resumed, newest)
     finally:
         kill_leftover_jobs(started)
+def driver_restarts(workdir, restarts, seed):
+    """Joining mode (elasticrun --serve, three agents, as in examples/kubernetes/): the
+    serving driver SIGKILLed ``restarts`` times at seeded random moments (in steady
+    training after a random number of steps, or while it is still adopting the workers
+    of the previous outage) and started again by the same command, with a random
+    number of steps trained in each outage. The job must end exit 0 with every rank
+    bitwise equal, every sample trained once, no step gone back and no worker
+    started again: the same processes throughout. Returns {moment: count}."""
+    from join_cluster import JoinJob
+    rng = random.Random(seed)
+    base = Path(workdir) / "driver-restarts"
+    base.mkdir(parents=True, exist_ok=True)
+    job = JoinJob(base, ["-np", "3", "--worker-timeout", "30", "--event-log",
+                         str(base / "events.jsonl"), "--state-dir", str(base / "state"),
+                         "--checkpoint-dir", str(base / "ckpt")],
+                  env={"JOB_EPOCHS": "100000", "JOB_SAMPLES": str(SAMPLES),
+                       "JOB_END_FILE": str(base / "out" / "end")})
+    moments = {"steady": 0, "adopting": 0}
+
+    def trained():
+        return sum(1 for r in job.steps() if r["rank"] == 0)
+
+    def train_on(steps, driver_alive=True):
+        goal = trained() + steps
+        wait = job.wait_for if driver_alive else \
+            (lambda p, what: _wait_until(p, what, job.output))
+        wait(lambda: trained() >= goal, f"{steps} more steps")
+    try:
+        job.start()
+        for name in ("node-a", "node-b", "node-c"):
+            job.join(name)
+        job.wait_step(2, size=3)
+        def adopted():        # by the newest driver
+            return "adopted worker(s) are back" in job.output().split("serving on port")[-1]
+        for n in range(restarts):
+            outage = rng.randint(1, 10)
+            if n and rng.random() < 0.3:
+                moments["adopting"] += 1         # killed again within the adoption window
+                outage = 0                       # (a round may be forming: no steps then)
+            else:
+                moments["steady"] += 1
+                if n:
+                    job.wait_for(adopted, "the adoption")
+                train_on(rng.randint(3, 30))
+            job.proc.send_signal(signal.SIGKILL)
+            job.proc.wait()
+            job.close_log()
+            train_on(outage, driver_alive=False)             # on, without a driver
+            job.restart_driver()
+            job.wait_for(lambda: "adopting" in job.output().split("serving on port")[-1],
+                         "the adoption to begin")
+        job.wait_for(adopted, "the last adoption")
+        train_on(3)
+        (job.out / "end").write_text("end")
+        code = job.finish(timeout=600)
+        finals = job.finals()
+        assert code == 0 and len(finals) == 3, job.output()[-4000:]
+        for key in ("params", "optimizer", "sampler", "step"):
+            assert len({json.dumps(f[key]) for f in finals}) == 1, (key, finals)
+        history = job.history()
+        assert_exactly_once(history, max(h[0] for h in history) + 1, SAMPLES)
+        assert len(list(job.out.glob("env.*.json"))) == 3, "a worker was started again"
+        by_worker = {}
+        for r in sorted(job.steps(), key=lambda r: r["t"]):
+            by_worker.setdefault(r["worker"], []).append(r["step"])
+        assert all(s == sorted(s) for s in by_worker.values()), "a committed step was lost"
+        for name in ("node-a", "node-b", "node-c"):
+            assert job.wait_agent(name) == 0, job.agent_output(name)
+        return moments
+    finally:
+        job.cleanup()
+
+
+def _wait_until(predicate, what, output, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}\n{output()[-4000:]}")
 
 
 def table(summary):
@@ -471,6 +551,9 @@ def table(summary):
     if summary.get("rank0_phases"):
         lines.append(f"| rank-0 phase > --stall-timeout: stopped naming the flag, rerun with it "
                      f"raised resumed from the newest checkpoint | {summary['rank0_phases']} |")
+    if summary.get("driver_restarts") is not None:
+        lines.append(f"| joining mode: serving driver SIGKILLed and restarted (adopted, same "
+                     f"workers), by moment | {summary['driver_restarts']} |")
     if summary.get("lab_cuts") is not None:
         lines.append(f"| lab: driver link cut and restored, nobody evicted | "
                      f"{summary['lab_cuts']} |")
@@ -489,10 +572,14 @@ def main(argv=None):
                    help="jobs that lose every holder of the state in a scale-up (0: none)")
     p.add_argument("--rank0-phases", type=int, default=2,
                    help="jobs with a rank-0 phase longer than --stall-timeout (0: none)")
+    p.add_argument("--driver-restarts", type=int, default=4,
+                   help="joining mode: serving driver SIGKILLs and restarts (0: none)")
     args = p.parse_args(argv)
     import tempfile
     workdir = args.dir or tempfile.mkdtemp(prefix="elastic-soak-")
     summary = Soak(workdir, args.changes, args.seed).run()
+    summary["driver_restarts"] = driver_restarts(workdir, args.driver_restarts, args.seed) \
+        if args.driver_restarts else None
     summary["lab_cuts"] = lab_cuts(workdir, args.lab_cuts) if args.lab_cuts else None
     summary["holder_losses"] = holder_losses(workdir, args.holder_losses)
     summary["rank0_phases"] = rank0_phases(workdir, args.rank0_phases)

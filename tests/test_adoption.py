@@ -5,6 +5,7 @@ import json
 from elastic.protocol import ENV_CHECKPOINT_DIR, Keys
 from elastic.runner.adoption import (
     Adoption,
+    Strays,
     free_slots,
     next_worker_after,
     round_floor,
@@ -45,6 +46,10 @@ class _Store:
 
     def get_many(self, keys):
         return {k: self.values.get(k) for k in keys}
+
+    def fetch(self, key):          # the registrations' doorbell: names, one a line
+        value = self.values.get(key)
+        return value.encode() if isinstance(value, str) else None
 
 
 def test_adopted_workers_wait_for_the_window_even_when_found_again():
@@ -122,3 +127,48 @@ def test_the_adopted_round_re_forms_from_its_workers():
     published = [a for a in decide(facts, 12.0) if isinstance(a, Publish)]
     assert len(published) == 1 and published[0].round_id == 5
     assert {m["worker_id"] for m in published[0].members} == {"0", "1"}
+
+
+def test_an_announced_worker_keeps_the_window_open_while_its_heartbeat_moves():
+    strays = Strays(silent_s=5.0)
+    strays.announced("2", {"adopt": True, "round": 4}, 10.0)
+    strays.announced("9", {"round": 4}, 10.0)      # a first registration, not an announcement
+    strays.announced("8", None, 10.0)              # absent, or forged (read as None)
+    assert strays.awaited(set(), 10.0) == {"2"}
+    assert not window_over(0.0, 10.0, 3.0, {"2"}, wait_s=20.0)
+    assert window_over(0.0, 20.0, 3.0, {"2"}, wait_s=20.0)     # --worker-timeout: no longer
+    assert window_over(0.0, 3.0, 3.0, set(), wait_s=20.0)
+    assert not window_over(0.0, 2.9, 3.0, set(), wait_s=20.0)
+    strays.beat("2", {"beat": 7}, 12.0)
+    strays.beat("2", {"beat": 7}, 16.0)                         # stood still since 12.0
+    assert strays.awaited(set(), 16.9) == {"2"}
+    assert strays.awaited(set(), 17.1) == set()                  # died with its agent
+    strays.announced("3", {"adopt": True}, 20.0)
+    assert strays.awaited({"3"}, 20.0) == set()                  # its agent is back
+
+
+def test_adoption_waits_for_the_agent_of_a_worker_that_announced_itself():
+    """Worker 1 announced itself (its heartbeat reaches the store) while its agent is cut
+    off: the adopted round waits for it past the window, then forms with it."""
+    adoption = Adoption(window_s=3.0, wait_s=20.0)
+    adoption.first_at, adoption.waiting = 10.0, {"0"}
+    values = {Keys.REGISTERED: "0\n1\n1\nbogus\n",
+              Keys.ready("0"): {"round": 4, "adopt": True},
+              Keys.ready("1"): {"round": 4, "latest": 5, "adopt": True},
+              Keys.heartbeat("1"): {"beat": 1}}
+    store = _Store(values)
+    ready, job = adoption.release({"0"}, 11.0, Job(), store, {"0": object()})
+    assert ready == set()
+    ready, job = adoption.release(set(), 14.0, job, store, {"0": object()})
+    assert ready == set() and job.round_id == 0          # the window passed: waits for 1
+    values[Keys.heartbeat("1")] = {"beat": 2}
+    workers = {"0": object(), "1": object()}             # its agent came back with it
+    adoption.waiting.add("1")
+    ready, job = adoption.release({"1"}, 15.0, job, store, workers)
+    assert ready == {"0", "1"} and job.round_id == 5
+    late = Adoption(window_s=3.0, wait_s=20.0)
+    late.first_at, late.waiting = 10.0, {"0"}
+    late.strays.silent_s = 100.0            # its heartbeat moves on, its agent never comes
+    late.release({"0"}, 11.0, Job(), _Store(dict(values)), {"0": object()})
+    assert late.release(set(), 29.0, Job(), _Store(dict(values)), {"0": object()})[0] == set()
+    assert late.release(set(), 30.0, Job(), _Store(dict(values)), {"0": object()})[0] == {"0"}

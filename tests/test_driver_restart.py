@@ -7,6 +7,7 @@ exit 0 with bitwise-equal ranks, exactly-once samples and no committed step lost
 """
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,13 @@ from adversary import Outsider
 from jobs import REPO
 from join_cluster import wait_until
 from procs import alive, job_workers
+
+from elastic.checkpoint.format import blob_checks, blob_path, list_checkpoints, read_manifest
+
+
+def _adopted(out):
+    """How many live workers the restarted drivers adopted (agents come back one by one)."""
+    return sum(int(n) for n in re.findall(r"adopting (\d+) live worker", out))
 
 
 def _kill_driver(job):
@@ -91,7 +99,7 @@ def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job, tmp_path
     code = job.finish()
     job.assert_ok(code, final_size=2)
     out = job.output()
-    assert "adopting 2 live worker(s)" in out, out[-4000:]
+    assert _adopted(out) == 2, out[-4000:]
     # The same two processes ran the whole job: no worker was started again.
     assert {r["worker"] for r in job.steps()} == {"0", "1"}
     after = [r["round"] for r in job.steps() if r["step"] > 9]
@@ -133,7 +141,7 @@ def test_a_worker_that_crashes_while_the_driver_is_away_is_handled_when_it_retur
     code = job.finish()
     job.assert_ok(code, final_size=3)
     out = job.output()
-    assert "adopting 2 live worker(s)" in out, out[-4000:]
+    assert _adopted(out) == 2, out[-4000:]
     assert survivors < pids
     crashed = (job.out / "fault.0").read_text()
     workers = {r["worker"] for r in job.steps()}
@@ -141,3 +149,107 @@ def test_a_worker_that_crashes_while_the_driver_is_away_is_handled_when_it_retur
     assert {r["worker"] for r in job.steps() if r["step"] > 6} == {"0", "1", "2", "3"} - {crashed}
 
 
+
+
+def _events(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _no_step_went_back(records):
+    """Per worker, in the order they ran: a step may repeat (retried, never committed),
+    never go back (a committed step lost)."""
+    by_worker = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        by_worker.setdefault(r["worker"], []).append(r["step"])
+    for worker, steps in by_worker.items():
+        assert steps == sorted(steps), (worker, steps)
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_assembly_mid_sync_and_mid_checkpoint_write_loses_nothing(
+        join_job, tmp_path):
+    """One job, the driver SIGKILLed three times at the worst moments, each found by a
+    condition, and started again each time: (1) while a round is being formed (it is
+    published, a newcomer waits in it, the others are held at a gate before their
+    commit); (2) while that newcomer receives the state in the adopted round's sync
+    (stopped inside it by JOB_SYNC_GATE); (3) while rank 0 writes a checkpoint (a
+    manifest's temp file is there). Before the last restart one agent is stopped
+    (SIGSTOP, as a partition would cut it off) until the new driver says it waits for
+    it: it is adopted with its worker too. At the end: exit 0, bitwise-equal ranks,
+    exactly-once samples, no step gone back, the same three processes and worker ids
+    throughout, and the checkpoints intact."""
+    events, state, ckpt = tmp_path / "events.jsonl", tmp_path / "state", tmp_path / "ckpt"
+    job = join_job(["-np", "2", "--max-np", "3", "--worker-timeout", "20",
+                    "--event-log", str(events), "--state-dir", str(state),
+                    "--checkpoint-dir", str(ckpt)],
+                   env={"JOB_GATE": "3", "JOB_HOLD": "6,10,14", "JOB_EPOCHS": "4",
+                        "JOB_SYNC_GATE": "node-c",
+                        "ELASTIC_CHECKPOINT_TEST_DELAY": "0.3"}).start()
+    job.join("node-a")
+    job.join("node-b")
+    job.wait_step(3, size=2)                  # both held at the gate, before their commit
+    first = max(r["round"] for r in job.steps())
+    job.join("node-c")
+
+    def started(after):
+        return [e["round"] for e in _events(events)
+                if e["event"] == "round_started" and e["round"] > after]
+
+    def assembled(round_id):
+        return any(e["event"] == "round_assembled" and e["round"] >= round_id
+                   for e in _events(events))
+    job.wait_for(lambda: started(first), "the round with the newcomer to be published")
+    forming = started(first)[0]
+    job.wait_for(lambda: len(job_workers(job.out)) == 3, "the newcomer to start")
+    _kill_driver(job)                                           # (1) mid-assembly
+    assert not assembled(forming)
+    pids = set(job_workers(job.out))
+    (job.out / "gate").write_text("go")
+    wait_until(lambda: any(r["step"] >= 6 for r in job.steps()), "training on to step 6",
+               output=lambda: job.agent_output("node-a"))
+    assert {r["round"] for r in job.steps()} == {first}         # on in the old round
+    job.restart_driver()
+    wait_until(lambda: list(job.out.glob("syncing.*")), "the newcomer inside its sync",
+               output=job.output)
+    _kill_driver(job)                                           # (2) mid-sync
+    (job.out / "sync-go").write_text("go")
+    job.release(6)               # (a round change ends a hold: the steps go on to the next)
+    wait_until(lambda: any(r["step"] >= 10 and r["size"] == 3 for r in job.steps()),
+               "three workers training on to step 10", output=lambda: job.agent_output("node-c"))
+    adopted = {r["round"] for r in job.steps() if r["size"] == 3}
+    job.restart_driver()
+    job.wait_for(lambda: assembled(max(adopted) + 1), "the next adopted round")
+    job.wait_step(14, size=3)             # held there, committing: checkpoints are written
+    wait_until(lambda: list(ckpt.rglob("*.tmp")), "rank 0 writing a checkpoint",
+               output=job.output)
+    _kill_driver(job)                                           # (3) mid-checkpoint write
+    job.signal_agent("node-b", signal.SIGSTOP)                  # cut off, its worker not
+    job.restart_driver()
+    try:
+        job.wait_for(lambda: "waiting up to 20 s (--worker-timeout) for the agent of "
+                     "worker(s)" in job.output(), "the driver to wait for node-b")
+    finally:
+        job.signal_agent("node-b", signal.SIGCONT)
+    job.wait_for(lambda: "3 adopted worker(s) are back" in job.output().split(
+        "waiting up to")[-1], "node-b's worker adopted too")
+    job.release(14)
+    code = job.finish()
+    job.assert_ok(code, epochs=4, final_size=3)
+    out = job.output()
+    assert _adopted(out) == 9 and "did not come back with" not in out, out[-4000:]
+    assert len(list(job.out.glob("env.*.json"))) == 3           # no worker started again
+    assert {r["worker"] for r in job.steps()} == {"0", "1", "2"}
+    assert not job_workers(job.out) and len(pids) == 3         # and no orphan left
+    _no_step_went_back(job.steps())
+    rounds = [e["round"] for e in _events(events) if e["event"] == "round_started"]
+    assert rounds == sorted(set(rounds)), rounds               # rising, never reused
+    assert not list(ckpt.rglob("*.tmp"))                       # every write completed
+    written = list_checkpoints(str(ckpt))
+    assert written
+    for _, manifest in written:                                # each verifies, blob by blob
+        body = read_manifest(manifest)
+        for name, size in body["blobs"].items():
+            data = open(blob_path(str(ckpt), name), "rb").read()
+            assert len(data) == size and blob_checks(name, data), manifest
+    for name in ("node-a", "node-b", "node-c"):
+        assert job.wait_agent(name) == 0, job.agent_output(name)

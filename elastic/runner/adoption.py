@@ -16,8 +16,15 @@ it knows (worker/driver_contact.py). From that, the driver rebuilds:
 Adopted workers are held back from the first round for ADOPTION_WINDOW_S after
 the first one came back: agents reconnect within a beat or two, and a round
 formed before all of them are back would leave the late ones out (they would
-leave the job as removed). The first round then re-forms from the newest commit
-any live worker holds (the sync sends it), so no committed step is lost.
+leave the job as removed). A worker also announces itself on its own (its
+heartbeat reaches the store even when its agent does not: a partitioned or
+stalled agent). While such a worker's agent is not back, the window stays open,
+for at most ``wait_s`` (the driver's --worker-timeout, the patience a silent
+agent gets anyway), and only while that worker's heartbeat still moves (Strays).
+The first round then re-forms from the newest commit any live worker holds (the
+sync sends it), so no committed step is lost. An agent that comes back after
+that round formed finds its workers gone: they left as removed when they saw
+the round without them, and the driver starts new ones on its host.
 
 The decisions are the pure functions below; Adoption only keeps their state.
 """
@@ -25,12 +32,15 @@ The decisions are the pure functions below; Adoption only keeps their state.
 import dataclasses
 import logging
 
-from elastic.protocol import ControlError, Keys
+from elastic.protocol import ControlError, Doorbell, Keys
 from elastic.runner.decisions import MemberIds
 from elastic.runner.records import WorkerRecord
 
 log = logging.getLogger("elasticrun")
 ADOPTION_WINDOW_S = 3.0
+STRAY_SILENT_S = 5.0        # an announced worker whose heartbeat stood still this long is gone
+STRAY_LOOK_S = 0.5          # how often the announcements and their heartbeats are read
+MAX_STRAYS = 4096           # bounds what names rung by an outsider can cost
 
 
 def round_floor(values, floor=0):
@@ -62,8 +72,45 @@ def free_slots(taken, count):
     return slots
 
 
-def window_over(first_at, now, window_s=ADOPTION_WINDOW_S):
-    return first_at is not None and now - first_at >= window_s
+def window_over(first_at, now, window_s=ADOPTION_WINDOW_S, awaited=(), wait_s=None):
+    """Whether the adopted workers may form a round: ``window_s`` after the first one came
+    back, and once no worker is ``awaited`` (announced, its agent not back), or in any
+    case ``wait_s`` after the first one came back."""
+    if first_at is None or now - first_at < window_s:
+        return False
+    return not awaited or (wait_s is not None and now - first_at >= wait_s)
+
+
+class Strays:
+    """Workers that announced themselves to this driver while their agent has not come
+    back (pure bookkeeping; Adoption reads the store). Each is awaited while its
+    heartbeat still moves: one that stood still for ``silent_s`` is gone (died with its
+    agent). Names come from an unsealed doorbell, so only a sealed announcement
+    (``adopt``) counts, and there are at most MAX_STRAYS of them."""
+
+    def __init__(self, silent_s=STRAY_SILENT_S):
+        self.silent_s = silent_s
+        self.beats = {}               # worker id -> (last beat seen, when it last moved)
+
+    def announced(self, worker_id, value, now):
+        if isinstance(value, dict) and value.get("adopt") is True and \
+                worker_id not in self.beats and len(self.beats) < MAX_STRAYS:
+            self.beats[worker_id] = (None, now)
+
+    def beat(self, worker_id, value, now):
+        if worker_id not in self.beats:
+            return
+        seen = value.get("beat") if isinstance(value, dict) else None
+        last, moved = self.beats[worker_id]
+        if seen is not None and seen != last:
+            self.beats[worker_id] = (seen, now)
+
+    def awaited(self, claimed, now):
+        """Those still awaited: not ``claimed`` (known or ended), heartbeat moving."""
+        for wid in [w for w, (_, moved) in self.beats.items()
+                    if w in claimed or now - moved > self.silent_s]:
+            del self.beats[wid]
+        return set(self.beats)
 
 
 def with_floor(job, floor, adopted=()):
@@ -82,14 +129,20 @@ def with_floor(job, floor, adopted=()):
 class Adoption:
     """Which workers were adopted, and which wait for the window to pass."""
 
-    def __init__(self, window_s=ADOPTION_WINDOW_S):
+    def __init__(self, window_s=ADOPTION_WINDOW_S, wait_s=None):
         self.window_s = window_s
+        self.wait_s = wait_s          # longest wait for an announced worker's agent
         self.first_at = None
         self.waiting = set()          # adopted, not yet seen registered
         self.held = set()             # adopted and registered: released with the window
         self.count = 0
         self.pending = []             # handed over by the hub, host not discovered yet
         self.floor = 0                # the newest round --state-dir remembers
+        self.ended = set()            # ids of workers that exited while the driver was away
+        self.strays = Strays()
+        self._bell = None             # our own reader of the registrations' doorbell
+        self._looked = None
+        self._told = False
 
     def take(self, backend, workers, job, now, hosts):
         """New records for the workers ``backend`` (the agent hub) hands over, once
@@ -98,6 +151,7 @@ class Adoption:
         self.pending += backend.take_adopted() if hasattr(backend, "take_adopted") else []
         records, by_host, later = [], {}, []
         ended = [wid for wid, _, handle in self.pending if handle is None]
+        self.ended.update(ended)
         if ended:      # workers that exited while the driver was away: their ids stay used
             job = dataclasses.replace(job, next_worker=next_worker_after(job.next_worker, ended))
         for wid, host, handle in self.pending:
@@ -132,7 +186,9 @@ class Adoption:
         self.waiting -= adopted
         self.held |= adopted
         ready = found - self.held            # a held one found again (a full look) waits too
-        if self.held and window_over(self.first_at, now, self.window_s):
+        # Adopted but not seen registered yet (a late agent's): the round waits for them too.
+        awaited = (self._awaited(control, workers, now) | self.waiting) if self.held else set()
+        if self.held and window_over(self.first_at, now, self.window_s, awaited, self.wait_s):
             keys = [Keys.ready(w) for w in self.held] + [Keys.heartbeat(w) for w in self.held]
             try:
                 values = list(control.get_many(keys).values())
@@ -142,5 +198,34 @@ class Adoption:
             ready |= self.held
             log.info("%d adopted worker(s) are back; the next round is %d", len(self.held),
                      job.round_id + 1)
+            if awaited:
+                log.warning("worker(s) %s announced themselves, but did not come back with "
+                            "their agent within %g s (--worker-timeout): the round forms "
+                            "without them", ", ".join(sorted(awaited)), self.wait_s)
             self.held = set()
+        elif awaited and not self._told and window_over(self.first_at, now, self.window_s):
+            self._told = True
+            log.info("waiting up to %g s (--worker-timeout) for the agent of worker(s) %s, "
+                     "which announced themselves: training goes on meanwhile",
+                     self.wait_s, ", ".join(sorted(awaited)))
         return ready, job
+
+    def _awaited(self, control, workers, now):
+        """Announced workers whose agent is not back (read every STRAY_LOOK_S)."""
+        if self._looked is not None and now - self._looked < STRAY_LOOK_S:
+            return self.strays.awaited(set(workers) | self.ended, now)
+        self._looked = now
+        try:
+            self._bell = self._bell or Doorbell(control, Keys.REGISTERED)
+            names = list(dict.fromkeys(
+                n for n in self._bell.new_names() if n.isdigit() and n not in workers
+                and n not in self.ended and n not in self.strays.beats))[:MAX_STRAYS]
+            values = control.get_many([Keys.ready(n) for n in names])
+            for wid in names:
+                self.strays.announced(wid, values[Keys.ready(wid)], now)
+            beats = control.get_many([Keys.heartbeat(w) for w in self.strays.beats])
+            for wid in list(self.strays.beats):
+                self.strays.beat(wid, beats[Keys.heartbeat(wid)], now)
+        except ControlError:
+            pass
+        return self.strays.awaited(set(workers) | self.ended, now)

@@ -137,7 +137,7 @@ class Driver:
         self._last_spawn_at = None
         self.quiet_ticks = 0
         self._unready = set()      # live workers whose registration has not been seen
-        self.adoption = Adoption()  # a restarted serving driver adopts live workers
+        self.adoption = Adoption(wait_s=config.worker_timeout)   # a restarted --serve adopts live workers
         self.saved = StateDir(config.state_dir)    # ... and takes back what it kept there
         self.job = resume(self.saved, self.job, self.hosts, self.adoption, self.started)
 

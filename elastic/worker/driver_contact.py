@@ -10,7 +10,10 @@ too long (docs/failure-model.md, "The driver is lost"). Meanwhile:
 * what training looks at between steps (a newer round, the stop, the round's
   abort) is read on a connection of its own that never waits for a reconnect,
   and reads as absent while the driver is away: training goes on in the
-  current round until the round must change;
+  current round until the round must change. Only the heartbeat thread opens
+  that connection (``refresh``): a connect can take seconds (a dying driver's
+  port still completes handshakes, then never answers), and on the training
+  thread that stalled every rank (docs/benchmarks.md, "driver restart");
 * once back, the heartbeat puts the worker's registration in the store again,
   with the rounds it knows, so a restarted driver can adopt it.
 
@@ -28,7 +31,6 @@ from elastic import protocol as control
 from elastic.protocol import ControlError, Keys
 
 log = logging.getLogger(__name__)
-NEWS_RETRY_S = 1.0        # how often a read retries its connection while the driver is away
 NEWS_CONNECT_S = 5.0
 
 
@@ -52,7 +54,6 @@ class DriverContact:
         self.away_since = None        # monotonic time of the first failed beat, or None
         self.returns = 0              # how often the driver came back (tests read it)
         self._news = None             # the fast-failing ControlStore for no-news reads
-        self._news_tried = 0.0
 
     @property
     def away(self):
@@ -76,7 +77,6 @@ class DriverContact:
         nothing of it) and let the no-news reads look again."""
         with self._lock:
             was_away, self.away_since = self.away_since is not None, None
-            self._news_tried = 0.0
         if was_away:
             self.returns += 1
             log.warning("the control store answers again")
@@ -97,53 +97,51 @@ class DriverContact:
         driver does not answer. Raises ControlError only where the plain read would."""
         if not self.patient:
             return self._worker.control.get(key)
-        conn = self._news_connection()
+        conn = self._news
         if conn is None:
-            return None
+            return None                   # the heartbeat thread connects again
         try:
             return conn.get(key)
         except ControlError:
             raise
         except Exception:  # noqa: BLE001 - an unreachable driver is no news
-            self._news = None
-            self.lost()
+            self._drop(conn)
             return None
 
     def quiet_connection(self):
         """A connection for a report the driver may miss (None while it is away): the
         training thread never waits on a reconnect for it."""
-        return self._news_connection() if self.patient else self._worker.control
+        return self._news if self.patient else self._worker.control
 
     def put_news(self, key, value):
         """Put a report the driver may miss: while it is away (patient), it is dropped."""
         if not self.patient:
             self._worker.control.put(key, value)
             return
-        conn = self._news_connection()
+        conn = self._news
         try:
             if conn is not None:
                 conn.put(key, value)
         except Exception:  # noqa: BLE001 - the driver is gone: nobody to tell
-            self._news = None
-            self.lost()
+            self._drop(conn)
 
-    def _news_connection(self):
-        if self._news is not None:
-            return self._news
-        now = time.monotonic()
-        if self.away and now - self._news_tried < NEWS_RETRY_S:
-            return None
-        self._news_tried = now
-        if not port_accepts(*self._worker.driver_at):
-            self.lost()
-            return None
+    def refresh(self):
+        """On the heartbeat thread (patient only): open the no-news connection when there
+        is none and the driver's port accepts. It may block for NEWS_CONNECT_S; the
+        training thread only ever uses a connection that is already open."""
+        if not self.patient or self._news is not None or \
+                not port_accepts(*self._worker.driver_at):
+            return
         try:
             self._news = self._worker.new_control_connection(timeout=NEWS_CONNECT_S,
                                                              reconnect_within_s=0)
-        except Exception:  # noqa: BLE001 - not there (yet)
-            self.lost()
-            return None
-        return self._news
+        except Exception:  # noqa: BLE001 - not there (yet): the next beat tries again
+            pass
+
+    def _drop(self, conn):
+        if self._news is conn:            # the heartbeat may have opened a new one already
+            self._news = None
+        self.lost()
 
 
 def port_accepts(host, port, timeout_s=1.0):

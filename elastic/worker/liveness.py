@@ -124,6 +124,7 @@ class Heartbeat(threading.Thread):
         try:
             self._beat += 1
             self.send(self._beat)
+            self._link.contact.refresh()     # training reads its news on that one
         except Exception:  # noqa: BLE001 - the thread retries (and gives up) as usual
             self._conn = None
 
@@ -141,6 +142,7 @@ class Heartbeat(threading.Thread):
                     self._conn.fetch(Keys.heartbeat(link.worker_id))
                     contact.back()
                     contact.announce(self._conn)    # a restarted driver adopts us from it
+                contact.refresh()                   # never opened on the training thread
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
                 self._conn = None
                 now = time.monotonic()

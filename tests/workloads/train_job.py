@@ -19,12 +19,15 @@ makes rank 0 busy alone for SECONDS once step S is committed, every time (a
 rank-0-only evaluation); JOB_SLOW_HOST=H:SECONDS makes the workers on host H spend
 SECONDS more on every step (a straggler).
 Gate: JOB_GATE=S makes every rank wait at step S, before its commit and without any
-collective, until $JOB_OUT/gate exists.
+collective, until $JOB_OUT/gate exists. JOB_SYNC_GATE=H makes the first worker on host H
+that receives the state in a sync stop inside it (after the state's header came, before
+its tensors): it writes $JOB_OUT/syncing.<worker> and waits for $JOB_OUT/sync-go.
 Soak hooks: a file $JOB_OUT/stuck.<worker> blocks that worker's training thread for
 good; with JOB_END_FILE, the job ends after the epoch during which that file appeared
 (rank 0 decides, so every rank agrees).
 """
 
+import inspect
 import json
 import os
 import signal
@@ -49,6 +52,7 @@ WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
 GATE = int(os.environ.get("JOB_GATE", "0"))
 END_FILE = os.environ.get("JOB_END_FILE")
 BAD_ROOT = int(os.environ.get("JOB_BAD_ROOT", "0"))
+SYNC_GATE = os.environ.get("JOB_SYNC_GATE")
 
 
 def _pair(name):
@@ -60,6 +64,27 @@ def _pair(name):
 ALWAYS_RAISE = _pair("JOB_ALWAYS_RAISE")
 RANK0_PHASE = _pair("JOB_RANK0_PHASE")
 SLOW = os.environ.get("JOB_SLOW_HOST", "").split(":")
+
+
+class SyncGate:
+    """Part of the state (JOB_SYNC_GATE): rebuilt by ``sync_gate`` wherever it is unpickled."""
+
+    def __reduce__(self):
+        return (sync_gate, ())
+
+
+def sync_gate():
+    """On JOB_SYNC_GATE's host, once, when unpickled from a received sync header: wait."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_name != "receive_buffers":
+        frame = frame.f_back
+    marker = os.path.join(OUT, f"syncing.{WID}")
+    if frame is not None and SYNC_GATE == os.environ.get("ELASTIC_HOSTNAME") and \
+            not os.path.exists(marker):
+        open(marker, "w").close()
+        while not os.path.exists(os.path.join(OUT, "sync-go")):
+            time.sleep(0.05)
+    return SyncGate()
 
 
 def maybe_fault(step):
@@ -124,7 +149,7 @@ def main():
     dist_opt = elastic.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=7)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, history=[],
-                               epochs=EPOCHS)
+                               epochs=EPOCHS, **({"gate": SyncGate()} if SYNC_GATE else {}))
     log = open(os.path.join(OUT, f"steps.{WID}.jsonl"), "a", buffering=1)
 
     def reset_fault():
