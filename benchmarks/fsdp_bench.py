@@ -53,8 +53,9 @@ def live_bytes(state):
     return sum(t.numel() * t.element_size() for t in sharded.values()), full
 
 
-def timed_reshard(group, me, n, meta):
-    """3 -> n: ranks 0..2 hold their shard of a 3-way layout, the others none."""
+def timed_reshard(group, me, n, meta, dest):
+    """3 -> n: ranks 0..2 hold their shard of a 3-way layout, the others none; the
+    parameters' rows land in the model in place, as ShardedState.sync does."""
     held = {}
     if me < 3:
         flats = reshard.empty_shard(meta, 3, me)
@@ -62,7 +63,7 @@ def timed_reshard(group, me, n, meta):
     pieces = shard_plan.plan(meta, 3, {i: [i] for i in range(3)}, n)
     elastic.barrier()
     t0 = time.perf_counter()
-    _out, got, sent = reshard.reshard(group, me, pieces, meta, 3, n, held)
+    _out, got, sent = reshard.reshard(group, me, pieces, meta, 3, n, held, dest)
     elastic.barrier()
     return time.perf_counter() - t0, got, sent
 
@@ -104,7 +105,9 @@ def main():
     state.redundancy = 1
     gen = state.generations[-1]
     group = runtime.worker().cpu_group
-    moves = [timed_reshard(group, me, n, gen.meta) for _ in range(max(3, reps // 2))]
+    from elastic.state import fsdp_parts
+    dest = fsdp_parts.local_params(state.model)
+    moves = [timed_reshard(group, me, n, gen.meta, dest) for _ in range(max(3, reps // 2))]
     result["reshard"] = [t for t, _g, _s in moves]
     result["reshard_received"], result["reshard_sent"] = moves[0][1], moves[0][2]
     result["bandwidth"] = bandwidth(group, me, max(1, moves[0][1]), max(3, reps // 2))

@@ -28,6 +28,8 @@ Sections (worker scripts in this folder):
   churnmix  churn_bench.py: the same with mixed faults (SIGTERM, SIGSTOP, stuck, hosts)
   fsdp      fsdp_bench.py: ShardedState (FSDP2) on 4 workers: bytes held per rank, commit
             with vs without redundancy, a 3 -> 4 reshard vs bytes moved / link bandwidth
+  fsdpsteady  fsdp_steady.py: the same FSDP2 script with ShardedState under elasticrun vs
+            plain under torchrun, steady throughput
 BENCH_ONLY=steady,commit,... runs a subset (written to results-partial.md, so the full
 table stays); BENCH_QUICK=1 uses fewer repeats; BENCH_STEADY_REPS sets the steady ones.
 """
@@ -716,9 +718,23 @@ def bench_fsdp():
     row(f"reshard 3 → 4 workers (a newcomer): time vs most bytes one rank received "
         f"({mb(moved)}) / link bandwidth measured by gloo send/recv ({bw / 1e9:.2f} GB/s)",
         ms(took), ms(ideal), f"{took / ideal:.2f}×", "≤ 1.5×", yes(took / ideal <= 1.5))
-    NOTES.append("fsdp: steady throughput against the same FSDP2 script under torchrun is not "
-                 "measured yet; reshard rows move the committed layout of the model above "
-                 "between live ranks of one round (no membership change in the bench)")
+    total = sum(r["reshard_received"] for r in rs)
+    busiest = max(r["reshard_received"] + r["reshard_sent"] for r in rs)
+    NOTES.append(f"fsdp reshard 3 → 4: {mb(total)} moved in all, the busiest rank sent and "
+                 f"received {mb(busiest)} ({ms(busiest / bw)} at the measured bandwidth); "
+                 "4 processes share the cores, the bandwidth row is one pair alone")
+    NOTES.append("fsdp: reshard rows move the committed layout of the model above between "
+                 "live ranks of one round (no membership change in the bench); steady "
+                 "throughput against torchrun is section fsdpsteady")
+
+
+@section("fsdpsteady")
+def bench_fsdp_steady():
+    import fsdp_steady
+    got, notes = fsdp_steady.rows(quick=QUICK)
+    for r in got:
+        row(*r)
+    NOTES.extend(notes)
 
 
 @section("driver restart: joining mode")
@@ -791,6 +807,7 @@ def main():
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
                      ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale),
                      ("ddp", bench_ddp), ("fsdp", bench_fsdp),
+                     ("fsdpsteady", bench_fsdp_steady),
                      ("driverrestart", bench_driver_restart), ("syncpause", bench_sync_pause),
                      ("churn", bench_churn),
                      ("churnmix", bench_churn_mixed)):

@@ -87,6 +87,13 @@ def split_live(model, optimizer):
     return meta, sharded, rest
 
 
+def local_params(model):
+    """{key: the local shard tensor} of a model's sharded parameters: where a reshard
+    may land their rows in place (load_live then copies nothing for them)."""
+    return {f"model/{name}": p.to_local().detach() for name, p in model.named_parameters()
+            if isinstance(p, DTensor)}
+
+
 def load_live(model, optimizer, rest, shards):
     """Load ``shards`` {key: this rank's rows} and ``rest`` into a freshly built
     FSDP2 model and optimizer. Optimizer state tensors are kept as given."""
@@ -99,7 +106,8 @@ def load_live(model, optimizer, rest, shards):
                 if tuple(local.shape) != tuple(got.shape):
                     raise ElasticError(f"{name}: shard of {tuple(got.shape)} for a local "
                                        f"{tuple(local.shape)} (different model?)")
-                local.copy_(got)
+                if got.data_ptr() != local.data_ptr():    # not already received in place
+                    local.copy_(got)
             else:
                 p.copy_(rest["model"][name])
         for name, b in model.named_buffers():

@@ -2,9 +2,9 @@
 
 Both run point-to-point on the round's gloo group, on a helper thread the caller
 waits on in abort-watching slices (``run_blocking``), as elastic.state.transfer
-does. A shard is one flat buffer per dtype (``shard_plan.shard_layout``); between
-two ranks a reshard sends one message per dtype holding every piece the plan
-routes between them, in plan order, so both sides know the cut without a header.
+does. A shard is one flat buffer per dtype (``shard_plan.shard_layout``); a reshard
+sends each piece the plan routes between two ranks as one message, tagged by its
+place in the plan's order between them, so both sides match them without a header.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from elastic.state import shard_plan
 from elastic.state.snapshot import host_empty
 
-COPY_TAG = 1 << 16      # redundancy copies; reshard messages use small tags (dtype index)
+COPY_TAG = 1 << 16      # redundancy copies; reshard messages use small tags (piece index)
 
 
 def _dtype(name):
@@ -61,19 +61,24 @@ def exchange_copies(group, me, n, degree, meta, own):
     return kept, sent
 
 
-def reshard(group, me, pieces, meta, old_n, new_n, held):
-    """This rank's new shard, as {key: fresh tensor}, from ``pieces`` (shard_plan.plan).
+def reshard(group, me, pieces, meta, old_n, new_n, held, dest=None):
+    """This rank's new shard, as {key: tensor}, from ``pieces`` (shard_plan.plan).
 
     ``held``: {old shard index: {key: view}} this rank holds (own and copies). Rows
-    it holds are copied locally; the rest arrive one message per (peer, dtype).
-    Returns (tensors, bytes received, bytes sent).
+    it holds are copied locally; each other piece is one message, sent straight from
+    the held buffer and received straight into its rows of the new shard (no packing,
+    no landing buffer). ``dest``: {key: tensor of the new shard's shape} to fill in
+    place (a rebuilt model's local parameters, memory already touched); other keys get
+    fresh tensors. Returns (tensors, bytes received, bytes sent).
     """
     shapes = {key: (tuple(shape), d) for key, shape, d in meta}
-    dtypes = sorted({d for _k, _s, d in meta})
     out = {}
     for key, (shape, d) in shapes.items():
         start, stop = shard_plan.rows(shape[0], new_n, me)
-        out[key] = torch.empty((stop - start,) + shape[1:], dtype=_dtype(d))
+        want = (stop - start,) + shape[1:]
+        given = (dest or {}).get(key)
+        ok = given is not None and tuple(given.shape) == want and given.is_contiguous()
+        out[key] = given if ok else torch.empty(want, dtype=_dtype(d))
 
     def into(p):
         start, _stop = shard_plan.rows(shapes[p.key][0][0], new_n, p.dst)
@@ -83,37 +88,21 @@ def reshard(group, me, pieces, meta, old_n, new_n, held):
         start, _stop = shard_plan.rows(shapes[p.key][0][0], old_n, p.shard)
         return held[p.shard][p.key][p.start - start: p.stop - start]
 
-    outgoing, incoming = {}, {}
+    works, sent, received, count = [], 0, 0, {}
     for p in pieces:
         if p.src == me and p.dst == me:
             into(p).copy_(source(p))
-        elif p.src == me:
-            outgoing.setdefault(p.dst, []).append(p)
-        elif p.dst == me:
-            incoming.setdefault(p.src, []).append(p)
-    works, sent, received, landing = [], 0, 0, []
-    for dst, ps in sorted(outgoing.items()):
-        for t, d in enumerate(dtypes):
-            parts = [source(p).reshape(-1) for p in ps if shapes[p.key][1] == d]
-            if parts:
-                body = torch.cat(parts)
-                works.append(group.send([body], dst, t))
+        elif me in (p.src, p.dst):
+            tag = count.get((p.src, p.dst), 0)      # the plan's order, alike on both sides
+            count[(p.src, p.dst)] = tag + 1
+            if p.src == me:
+                body = source(p)
+                works.append(group.send([body], p.dst, tag))
                 sent += body.numel() * body.element_size()
-    for src, ps in sorted(incoming.items()):
-        for t, d in enumerate(dtypes):
-            mine = [p for p in ps if shapes[p.key][1] == d]
-            if mine:
-                body = torch.empty(sum(into(p).numel() for p in mine), dtype=_dtype(d))
-                works.append(group.recv([body], src, t))
-                landing.append((body, mine))
+            else:
+                body = into(p)
+                works.append(group.recv([body], p.src, tag))
                 received += body.numel() * body.element_size()
     for work in works:
         work.wait()
-    for body, mine in landing:
-        offset = 0
-        for p in mine:
-            target = into(p)
-            target.copy_(body[offset: offset + target.numel()].view(target.shape))
-            offset += target.numel()
     return out, received, sent
-

@@ -240,10 +240,11 @@ class ShardedState(State):
                  for i, flats in (gen.shards.items() if gen is not None else ())}
         w = runtime.worker()
         moved = time.perf_counter()
+        dest = _parts().local_params(self.model)        # rows land in the model in place
         shards, got, sent = run_blocking(
             lambda: reshard.reshard(w.cpu_group if w else None, me, pieces, meta, old_n, n,
-                                    views), "reshard", w) if w else \
-            reshard.reshard(None, me, pieces, meta, old_n, n, views)
+                                    views, dest), "reshard", w) if w else \
+            reshard.reshard(None, me, pieces, meta, old_n, n, views, dest)
         self.stats["reshard_s"] = time.perf_counter() - moved
         self.stats["reshard_received"] += got
         self.stats["reshard_sent"] += sent
