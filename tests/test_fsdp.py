@@ -143,10 +143,11 @@ def test_losing_more_shards_than_copied_resumes_from_the_sharded_checkpoint(fsdp
     than one copy covers: the survivor resumes from the checkpoint, resharded 3 -> 1 in
     place. A new job of 2 workers then resumes from the survivor's files (1 -> 2), reading
     only what it needs, and ends where the fixed 4-worker run does."""
-    ckpt = tmp_path / "ckpt"
-    first = Job(tmp_path / "a", ["-np", "3", "--min-np", "1"], script=FSDP_JOB,
+    ckpt = tmp_path / "ckpt" / "sharded"          # elasticrun --checkpoint-dir's, by default
+    first = Job(tmp_path / "a", ["-np", "3", "--min-np", "1", "--checkpoint-dir",
+                                 str(tmp_path / "ckpt")], script=FSDP_JOB,
                 hosts=["localhost:1", "127.0.0.1:2"],
-                env={"FSDP_STEPS": str(STEPS // 2), "FSDP_CKPT": str(ckpt), "FSDP_KILL": "3:1+2"})
+                env={"FSDP_STEPS": str(STEPS // 2), "FSDP_KILL": "3:1+2"})
     assert first.run() == 0, first.output()[-4000:]
     assert sizes_in_order(first.steps()) == [3, 1]
     assert re.search(r"elastic: warning: no surviving worker holds the training state: "

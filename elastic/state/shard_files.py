@@ -30,6 +30,7 @@ class ShardWriter:
         self.root = root
         self._thread = None
         self.written = 0
+        self.durable = -1       # the newest commit this rank saw whole on disk
 
     def write(self, version, n, index, meta, flats, rest):
         """Start writing (the flats are never written to again: each commit's are new)."""
@@ -55,6 +56,8 @@ class ShardWriter:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         self.written += 1
+        if all(os.path.exists(os.path.join(folder, f"shard{i}.pt")) for i in range(n)):
+            self.durable = max(self.durable, version)     # whole: this rank saw it so
         if index == 0:
             prune(self.root)
 

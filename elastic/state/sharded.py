@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elastic import protocol
 from elastic.exceptions import ElasticError
 from elastic.state import handlers, reshard, shard_files, shard_plan
 from elastic.state.states import State
@@ -73,14 +74,17 @@ class ShardedState(State):
     ``state.model`` and ``state.optimizer`` in the training loop, never objects
     kept from an earlier round. Models built alike on every rank (same seed) start
     equal; after that every rank's shard comes from the last commit.
-    ``checkpoint_dir``: each rank also writes its shard of every commit there, in a
-    background thread (shard_files.py); a job that starts with nothing in memory, or
+    ``checkpoint_dir`` (default: ``sharded`` under elasticrun's ``--checkpoint-dir``):
+    each rank also writes its shard of every commit there, in a background thread
+    (shard_files.py); a job that starts with nothing in memory, or
     that lost more shards than the redundancy covers, resumes from the newest whole
     commit there, at any world size.
     """
 
     def __init__(self, build, redundancy=None, checkpoint_dir=None, **kwargs):
         super().__init__()
+        if checkpoint_dir is None and os.environ.get(protocol.ENV_CHECKPOINT_DIR):
+            checkpoint_dir = os.path.join(os.environ[protocol.ENV_CHECKPOINT_DIR], "sharded")
         self.checkpoint_dir = checkpoint_dir
         self._files = shard_files.ShardWriter(checkpoint_dir) if checkpoint_dir else None
         self._build = build
@@ -140,6 +144,8 @@ class ShardedState(State):
         if w is not None:
             w.progress.committed()
             w.progress.holds = self._version
+            if self._files is not None:     # the driver's holders.py: a checkpoint exists
+                w.progress.durable = max(w.progress.durable, self._files.durable)
             w.progress.timed("commit", time.perf_counter() - started)
             w.act_on_commit_flags(flags.tolist(), self._version)
 
