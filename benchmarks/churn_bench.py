@@ -122,7 +122,7 @@ def run_churn(Job, kinds, quick=False):  # noqa: N803 - run.Job, passed in (no i
                 os.kill(json.loads(p.read_text())["pid"], signal.SIGCONT)
             except (ProcessLookupError, KeyError, ValueError):
                 pass
-        steps = job.steps()
+        steps, events, output = job.steps(), job.events(), job.output()
         first = {}
         for p in job.out.glob("steps.*.jsonl"):
             line = p.read_text().split("\n", 1)[0]
@@ -135,20 +135,23 @@ def run_churn(Job, kinds, quick=False):  # noqa: N803 - run.Job, passed in (no i
     if os.environ.get("BENCH_CHURN_DUMP"):     # the raw records, to look into a run
         with open(os.environ["BENCH_CHURN_DUMP"], "w") as f:
             json.dump({"steps": steps, "starts": starts, "first": first, "t0": t0, "t1": t1,
-                       "faults": done}, f)
-    return analyse(steps, starts, first, t0, t1), done
+                       "faults": done, "events": events, "driver": output}, f)
+    ready = {e["wid"]: e["t"] for e in events if e["what"] == "ready_to_join"}
+    return analyse(steps, starts, first, t0, t1, ready), done
 
 
-def analyse(steps, starts, first, t0, t1):
-    """``first``: wid -> its first step's time (a replacement's start ends there)."""
-    full = sorted((r for r in steps if r["rank"] == 0 and r["t"] < t0 and r["size"] == 4),
-                  key=lambda r: r["t"])
-    med = median([b["t"] - a["t"] for a, b in zip(full, full[1:]) if a["round"] == b["round"]])
+def analyse(steps, starts, first, t0, t1, ready=None):
+    """``first``: wid -> its first step's time (a replacement's start ends there);
+    ``ready``: wid -> when it reached @elastic.run (its imports and set-up done)."""
     r0 = sorted((r for r in steps if r["rank"] == 0 and t0 <= r["t"] <= t1), key=lambda r: r["t"])
+    pairs = list(zip(r0, r0[1:]))
+    med = median([b["t"] - a["t"] for a, b in pairs if a["round"] == b["round"]])
+    full = median([b["t"] - a["t"] for a, b in pairs if a["round"] == b["round"]
+                   and b["size"] == 4]) or med
     spawns = [(s["t_start"], first.get(w, t1)) for w, s in starts.items() if s["t_start"] > t0]
-    parts = {"pauses": 0.0, "rolled back": 0.0, "respawn CPU": 0.0, "slow steps": 0.0}
-    rolled, changes, sample_steps = 0, 0, 0.0
-    for a, b in zip(r0, r0[1:]):
+    parts = {"pauses": 0.0, "rolled back": 0.0, "respawn CPU": 0.0, "other": 0.0}
+    rolled, changes, samples = 0, 0, 0.0
+    for a, b in pairs:
         excess = (b["t"] - a["t"]) - med
         if b["step"] <= a["step"]:
             redo = a["step"] - b["step"] + 1
@@ -160,17 +163,19 @@ def analyse(steps, starts, first, t0, t1):
         elif any(s < b["t"] and a["t"] < e for s, e in spawns):
             parts["respawn CPU"] += excess
         else:
-            parts["slow steps"] += excess
-        sample_steps += b["size"] / 4
+            parts["other"] += excess
+        samples += b["size"] / 4
     wall = r0[-1]["t"] - r0[0]["t"]
-    progress = (r0[-1]["step"] - r0[0]["step"])
-    goodput = progress * med / wall
-    by_samples = (sample_steps - rolled) * med / wall
-    return {"goodput": goodput, "by_samples": by_samples, "median_step": med, "wall": wall,
-            "steps": progress, "rolled": rolled, "changes": changes, "respawned": len(spawns),
+    progress = r0[-1]["step"] - r0[0]["step"]
+    ready = ready or {}
+    late = [w for w, s in starts.items() if s["t_start"] > t0]
+    return {"goodput": progress * med / wall, "median_step": med, "full_step": full,
+            "by_samples": (samples - rolled) * full / wall, "wall": wall, "steps": progress,
+            "rolled": rolled, "changes": changes, "respawned": len(late),
             "loss": {k: v / wall for k, v in parts.items()},
-            "import_s": median([s["t_imported"] - s["t_start"] for s in starts.values()
-                                if s["t_start"] > t0])}
+            "import_s": median([starts[w]["t_imported"] - starts[w]["t_start"] for w in late]),
+            "setup_s": median([ready[w] - starts[w]["t_imported"] for w in late if w in ready]),
+            "sizes": {n: sum(1 for _a, b in pairs if b["size"] == n) for n in (1, 2, 3, 4)}}
 
 
 def rows(Job, quick=False, mixed=False):  # noqa: N803
@@ -181,15 +186,19 @@ def rows(Job, quick=False, mixed=False):  # noqa: N803
     target = 0.95 if mixed else 0.98
     loss = ", ".join(f"{k} {100 * v:.1f} %" for k, v in a["loss"].items())
     got = [(f"goodput under churn: {what} every {EVERY_S:.0f} s for {a['wall']:.0f} s, 4 "
-            "single-slot hosts, commit every step: committed steps × median full-size step ÷ "
-            "wall time; the loss split",
+            "single-slot hosts, --min-np 2, commit every step: committed steps × median step "
+            "÷ wall time; the loss split; sample-weighted (a step of n workers counts n/4 of a "
+            "full-size step) after it",
             f"{100 * a['goodput']:.1f} % ({a['steps']} steps × {a['median_step'] * 1e3:.0f} ms "
-            f"in {a['wall']:.1f} s); loss: {loss}; sample-weighted (smaller world) "
-            f"{100 * a['by_samples']:.1f} %",
+            f"in {a['wall']:.1f} s); loss: {loss}; sample-weighted {100 * a['by_samples']:.1f} %",
             "no faults: 100 %", f"{a['goodput']:.3f}", f"≥ {100 * target:.0f} %",
             "yes" if a["goodput"] >= target else "**no**: see notes")]
     notes = [f"churn ({'mixed' if mixed else 'SIGKILL'}): faults at " + "; ".join(
         f"+{t} s {d}" for t, d in done) + f"; {a['changes']} round changes, {a['rolled']} "
-        f"steps rolled back, {a['respawned']} workers respawned (python + import torch "
-        f"{a['import_s'] or 0:.1f} s each, median)"]
+        f"steps rolled back; steps by world size 1/2/3/4: "
+        f"{'/'.join(str(a['sizes'][n]) for n in (1, 2, 3, 4))} (full-size step "
+        f"{a['full_step'] * 1e3:.0f} ms); {a['respawned']} replacements, each (median) "
+        f"{a['import_s'] or 0:.1f} s from exec to `import torch` done, then "
+        f"{a['setup_s'] or 0:.1f} s to @elastic.run (the optimizer's first use imports "
+        "torch._dynamo) on the loaded 2 cores: a slot stays empty that long"]
     return got, notes

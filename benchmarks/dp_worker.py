@@ -80,13 +80,18 @@ def steady(res, o):
             return run
 
         sides = {"elastic": runner(m_e, opt_e), "ddp": runner(ddp, opt_d)}
+        if o.get("edp") == "1" and not own:    # elastic.DDP: torch's DDP on the round's group
+            m_x = build()
+            m_x.load_state_dict(m_e.state_dict())
+            edp = elastic.DDP(m_x)
+            sides["elastic.DDP"] = runner(edp, sgd(edp))
         fp16 = runner(m_f, opt_f)
         fp16(1)
         for warm in sides.values():
             warm(3)  # warm-up: buckets, gloo connections, allocator
         times = {k: [] for k in sides}
         for rep in range(int(o.get(f"reps_{kind}", reps))):
-            order = ["elastic", "ddp"] if rep % 2 == 0 else ["ddp", "elastic"]
+            order = list(sides)[rep % len(sides):] + list(sides)[:rep % len(sides)]
             for name in order:
                 dist.barrier(group=ddp_group)
                 t0 = now()

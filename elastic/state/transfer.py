@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK_BYTES = 8 << 20
+# A chain adds one chunk's time per hop, and k senders' shares differ by up to one chunk:
+# on a 300 Mbit/s link 2 MB is 56 ms (8 MB was 224 ms and left 3 senders 42/42/36 MB of
+# 120 MB; benchmarks/net_bench.py). Many more chunks would only add per-message overhead.
+CHUNK_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
