@@ -8,7 +8,7 @@ of benchmarks/dp_worker.py run one per namespace, gloo on each namespace's eth0,
 the stand-in driver's control store in a namespace of its own. Each row's baseline
 is measured in the same run on the same links.
 
-    sudo make bench-net                       # BENCH_NET_RATE=300mbit (default)
+    sudo make bench-net          # BENCH_NET_RATE=300mbit, BENCH_NET_REPS=3 (defaults)
     BENCH_NET_ROWS=sync,stripe python benchmarks/net_bench.py
 
 Rows: sync (one newcomer vs the link rate and a raw gloo broadcast), stripe (1, 2, 3
@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import netlab  # noqa: E402
 
 RATE = os.environ.get("BENCH_NET_RATE", "300mbit")
-REPS = int(os.environ.get("BENCH_NET_REPS", "5"))
-MODEL = os.environ.get("BENCH_NET_MODEL", "mlp1m")
+REPS = int(os.environ.get("BENCH_NET_REPS", "3"))
+MODEL = os.environ.get("BENCH_NET_MODEL", "mlp")     # 10M MLP + Adam: 120 MB, 60 chunks
 ALL_ROWS = ("raw", "sync", "stripe", "chain", "ddp")
 T0 = time.monotonic()
 
