@@ -14,7 +14,9 @@ is measured in the same run on the same links.
 Rows: sync (one newcomer vs the link rate and a raw gloo broadcast), stripe (1, 2, 3
 holders whose uplinks are the limit, the receiver's link unshaped), chain (3 newcomers:
 one chain vs 3 separate transfers), ddp (DistributedOptimizer vs torch DDP at the rate),
-raw (the unshaped links: what the CPUs can drive, which decides the rate to use).
+raw (the unshaped links: what the CPUs can drive, which decides the rate to use), pauses
+(a real elasticrun in the store's namespace reaching the hosts through the lab's ssh shim:
+a SIGKILL of 1 of 4 workers, and discovery growing the job 2 -> 4).
 Where namespaces are refused it prints one line and exits 0. Everything it makes
 (namespaces, qdiscs on their links) goes with the lab; the machine's own
 namespace is never touched.
@@ -39,7 +41,7 @@ import netlab  # noqa: E402
 RATE = os.environ.get("BENCH_NET_RATE", "300mbit")
 REPS = int(os.environ.get("BENCH_NET_REPS", "3"))
 MODEL = os.environ.get("BENCH_NET_MODEL", "mlp")     # 10M MLP + Adam: 120 MB, 60 chunks
-ALL_ROWS = ("raw", "sync", "stripe", "chain", "ddp")
+ALL_ROWS = ("raw", "sync", "stripe", "chain", "ddp", "pauses")
 T0 = time.monotonic()
 
 
@@ -199,6 +201,45 @@ def bench_ddp(lab, rate_bits):
             "≥ 0.97×", yes(ratio >= 0.97))
     NOTES.append("ddp: per-repeat ms/step " + "; ".join(
         f"{k} {[round(x * 1e3) for x in v]}" for k, v in d["step_s"].items()))
+
+
+def bench_pauses(lab, rate_bits):
+    """A real elasticrun in the store's namespace, workers on h1..h4 through the lab's ssh
+    shim (job_worker.py, tiny model): a SIGKILL of 1 of 4, and discovery adding 2 hosts."""
+    import run
+    lab.shape(up=RATE, down=RATE)
+    shim = lab.lab.ssh_shim(lab.ctl)
+    env = {"PATH": f"{shim}{os.pathsep}{os.environ['PATH']}", "BENCH_STEP_SLEEP": "0.01"}
+    base = ["--network-interface", "eth0", "--remote-python", sys.executable]
+    every = ",".join(f"{h.addr}:1" for h in lab.hosts)
+    with run.Job(base + ["-np", "4", "--min-np", "2", "-H", every],
+                 env={**env, "BENCH_KILL": "40:3"}, prefix=lab.ctl.prefix()) as job:
+        rec, detail = run.one_recovery(job)
+    row(f"crash pause at {RATE}: SIGKILL 1 of 4 workers (one per host) → every "
+        "survivor completed its next step", f"{rec:.2f} s", "—", "—", "≤ 0.2 s",
+        yes(rec <= 0.2))
+    NOTES.append(f"crash at {RATE}: {detail}")
+    two = [f"{h.addr}:1" for h in lab.hosts[:2]]
+    with run.Job(base + ["-np", "2", "--min-np", "2"], hosts=two, env=env,
+                 prefix=lab.ctl.prefix()) as job:
+        job.wait_for(lambda: any(r["step"] >= 30 for r in job.steps()), "step 30", timeout=300)
+        job.set_hosts(two + [f"{h.addr}:1" for h in lab.hosts[2:]])
+        job.wait_for(lambda: len([r for r in job.steps() if r["size"] == 4]) >= 4 * 20,
+                     "20 steps at 4 workers", timeout=300)
+        job.finish(timeout=120)
+        steps = job.steps()
+    first = min(r["round"] for r in steps)
+    new = min(r["round"] for r in steps if r["size"] == 4)
+    gaps = []
+    for rank in (0, 1):
+        before = max(r["t"] for r in steps if r["round"] == first and r["rank"] == rank)
+        after = min(r["t"] for r in steps if r["round"] == new and r["rank"] == rank)
+        gaps.append(after - before)
+    r0 = sorted(r["t"] for r in steps if r["round"] == first and r["rank"] == 0)
+    step = median([b - a for a, b in zip(r0, r0[1:])][-20:])
+    row(f"scale-up pause at {RATE}: 2 → 4 workers (discovery adds 2 hosts): the survivors' "
+        "last step before the change to their first step after it", f"{max(gaps):.2f} s",
+        f"a step {step * 1e3:.0f} ms", "—", "≤ 0.1 s", yes(max(gaps) <= 0.1))
 
 
 def main():

@@ -318,7 +318,8 @@ def fit(xs, ys):
 
 # -- 4./5. real elasticrun jobs -------------------------------------------------------------
 class Job:
-    def __init__(self, args, env=None, hosts=None):
+    def __init__(self, args, env=None, hosts=None, prefix=()):
+        """``prefix``: an argv prefix for elasticrun (bench-net: ``ip netns exec NS``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="bench-job-"))
         self.out = self.dir / "out"
         self.out.mkdir()
@@ -335,7 +336,7 @@ class Job:
         self.env.update({"BENCH_OUT": str(self.out)}, **(env or {}))
         self.log = open(self.dir / "elasticrun.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic.runner", *self.args, sys.executable,
+            [*prefix, sys.executable, "-m", "elastic.runner", *self.args, sys.executable,
              str(BENCH / "job_worker.py")], env=self.env, stdout=self.log,
             stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
 
