@@ -24,7 +24,10 @@ few times (lab_cuts); every holder of the training state is lost during a scale-
 (holder_losses: the job resumes from the newest checkpoint, or stops with one line
 naming the last commit); and a rank-0-only phase outlasts --stall-timeout
 (rank0_phases: the job stops with one line naming the flag, and a rerun with the flag
-raised resumes from the newest checkpoint).
+raised resumes from the newest checkpoint). And in joining mode (elasticrun --serve and
+three agents), the serving driver is SIGKILLed and started again by the same command
+several times, in steady training and within an adoption (driver_restarts: the same
+workers all along, every rank bitwise equal, every sample once, no step gone back).
 """
 
 import argparse
@@ -467,8 +470,10 @@ def driver_restarts(workdir, restarts, seed):
         for name in ("node-a", "node-b", "node-c"):
             job.join(name)
         job.wait_step(2, size=3)
-        def adopted():        # by the newest driver
-            return "adopted worker(s) are back" in job.output().split("serving on port")[-1]
+        mark = [0]                # where the newest driver's output begins
+
+        def newest(text):
+            return lambda: text in job.output()[mark[0]:]
         for n in range(restarts):
             outage = rng.randint(1, 10)
             if n and rng.random() < 0.3:
@@ -477,16 +482,16 @@ def driver_restarts(workdir, restarts, seed):
             else:
                 moments["steady"] += 1
                 if n:
-                    job.wait_for(adopted, "the adoption")
+                    job.wait_for(newest("adopted worker(s) are back"), "the adoption")
                 train_on(rng.randint(3, 30))
             job.proc.send_signal(signal.SIGKILL)
             job.proc.wait()
             job.close_log()
             train_on(outage, driver_alive=False)             # on, without a driver
+            mark[0] = len(job.output())
             job.restart_driver()
-            job.wait_for(lambda: "adopting" in job.output().split("serving on port")[-1],
-                         "the adoption to begin")
-        job.wait_for(adopted, "the last adoption")
+            job.wait_for(newest("adopting"), "the adoption to begin")
+        job.wait_for(newest("adopted worker(s) are back"), "the last adoption")
         train_on(3)
         (job.out / "end").write_text("end")
         code = job.finish(timeout=600)
