@@ -180,6 +180,12 @@ class ControlStore:
         self.requests += 1
         self.raw.multi_set(keys, blobs)
 
+    def rekeep(self, key, value):
+        """Where ``key`` is healed, heal it with ``value`` from now on (sealed now, so newer
+        than a copy put on another connection): the older kept value would read as a replay."""
+        if key in self._kept:
+            self._kept[key] = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())
+
     def forget(self, key):
         """Stop healing ``key`` (its value stays)."""
         self._kept.pop(key, None)

@@ -88,8 +88,10 @@ class DriverContact:
         w = self._worker
         if not w.registered:
             return
-        conn.put(Keys.ready(w.worker_id), {"pid": os.getpid(), "round": w.round_id,
-                                          "latest": w.known_latest, "adopt": True})
+        value = {"pid": os.getpid(), "round": w.round_id, "latest": w.known_latest,
+                 "adopt": True}
+        w.control.rekeep(Keys.ready(w.worker_id), value)   # a newcomer heals its registration
+        conn.put(Keys.ready(w.worker_id), value)
         control.Doorbell(conn, Keys.REGISTERED).ring(w.worker_id)
 
     def news(self, key):
