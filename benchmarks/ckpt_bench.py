@@ -98,23 +98,23 @@ def main():
     state.sync()                                # takes the directory lock (rank 0 of size 1)
 
     handoff, swap = [], []
-    real_after, real_before = ck.after_commit, ck.before_save
+    real_committed, real_before = ck.committed, ck.before_save
 
-    def after_commit(st):
+    def committed(version, snapshot):
         busy = ck.writing
         t0 = now()
-        real_after(st)
+        real_committed(version, snapshot)
         if ck.writing and not busy:
             handoff.append(now() - t0)
 
-    def before_save(st):
+    def before_save(snapshot):
         swapped = ck.stats["swapped_commits"]
         t0 = now()
-        real_before(st)
+        real_before(snapshot)
         if ck.stats["swapped_commits"] > swapped:
             swap.append(now() - t0)
 
-    ck.after_commit, ck.before_save = after_commit, before_save
+    ck.committed, ck.before_save = committed, before_save
 
     # Warm-up: both snapshots allocated, a first (all-new) checkpoint on disk, then WARM
     # checkpoint + dd pairs: on this VM the first writes after a start stall 200-300 ms

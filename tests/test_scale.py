@@ -33,9 +33,9 @@ def test_members_of_a_big_round_read_only_their_own_entry(monkeypatch, tmp_path)
 
     from elastic.control_store import ControlStore
     from elastic.protocol import Keys
-    from elastic.worker import runtime
+    from elastic.worker import rounds
 
-    monkeypatch.setattr(runtime, "SELF_ASSEMBLY_MAX", 4)     # 12 workers: a big round
+    monkeypatch.setattr(rounds, "SELF_ASSEMBLY_MAX", 4)     # 12 workers: a big round
     reads = tmp_path / "header-reads"
     real_get = ControlStore.get
     headers = {Keys.plan(r) for r in range(2, 20)}
@@ -68,7 +68,7 @@ def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal(mon
     from elastic import protocol
     from elastic.control_store import ControlStore, listen
     from elastic.protocol import Keys
-    from elastic.worker import runtime
+    from elastic.worker import rounds
 
     size, secret = 4096, "s" * 32
     server = listen("127.0.0.1", 30)
@@ -79,7 +79,7 @@ def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal(mon
     driver.put(Keys.member(5, "7"), {"worker_id": "7", "host": "sim-7", "rank": 7,
                                      "size": size, "local_rank": 0, "local_size": 1,
                                      "cross_rank": 7, "cross_size": size})
-    monkeypatch.setattr(runtime.Membership, "export", lambda self: None)   # keep os.environ
+    monkeypatch.setattr(rounds.Membership, "export", lambda self: None)   # keep os.environ
     w = SimWorker(env, [protocol.connect("127.0.0.1", server.port, 30)])
     w.learn_latest(5)                     # as the commit's collective tells it
     log, clock = [], [1000.0]
@@ -93,7 +93,7 @@ def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal(mon
     monkeypatch.setattr(w.control, "get", lambda key: (log.append(("look", key)),
                                                        real_get(key))[1])
     monkeypatch.setattr(w.control, "heal", lambda: (log.append(("heal",)), real_heal())[1])
-    monkeypatch.setattr(runtime, "time", types.SimpleNamespace(
+    monkeypatch.setattr(rounds, "time", types.SimpleNamespace(
         monotonic=lambda: clock[0], sleep=sleep))
     try:
         membership = w.join_next_round()

@@ -402,7 +402,9 @@ def test_swapped_buffer_makes_flats_unavailable_until_reallocated():
     snap.save(_tree())
     own = snap.flats()
     retired = snap.buffers[0]
-    snap.buffers[0] = torch.empty_like(retired)    # what a checkpoint writer's swap does
+    assert not snap.swap_buffer(0, torch.empty_like(retired), torch.empty_like(retired))
+    assert snap.intact      # only the buffer the writer reads is swapped out
+    assert snap.swap_buffer(0, retired, torch.empty_like(retired))   # a checkpoint writer's swap
     assert not snap.intact and snap.flats() is None
     other = Snapshot()
     other.save(_tree())

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,7 +41,11 @@ from elastic.checkpoint.lock import (
 )
 from elastic.checkpoint.writer import write_checkpoint
 from elastic.protocol import env_float
-from elastic.worker import fatal, runtime
+from elastic.worker import fatal
+
+if TYPE_CHECKING:
+    from elastic.state.snapshot import Snapshot
+    from elastic.worker.round_view import RoundView
 
 log = logging.getLogger(__name__)
 ENV_DIR = protocol.ENV_CHECKPOINT_DIR
@@ -98,6 +103,7 @@ class Checkpointer:
         self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
                       "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
         self._state = None
+        self._round = None           # the RoundView of the last sync (None: standalone)
         self._world_size = 1
         self._lock = DirectoryLock(self.directory, job_id(id(self)))
         self._resume_tried = False
@@ -130,8 +136,9 @@ class Checkpointer:
         return self._lock.held
 
     # -- hooks called by State ------------------------------------------------------------
-    def before_sync(self, state):
-        """Rank 0: take the lock, and in a fresh job load the newest good checkpoint.
+    def before_sync(self, state, view: RoundView | None = None) -> None:
+        """Rank 0 of ``view``'s round (or a state alone, ``view`` None): take the lock,
+        and in a fresh job load the newest good checkpoint.
 
         Only another job holding the directory stops a fresh job (one line). Any
         other failure (no space, no permission, no flock) gives one warning:
@@ -140,13 +147,14 @@ class Checkpointer:
         if self._state is not None and self._state is not state:
             raise ValueError("a Checkpointer serves a single state")
         self._state = state
-        w = runtime.worker()
-        if w is not None and (w.membership is None or w.membership.rank != 0):
+        self._round = view
+        m = view.membership if view is not None else None
+        if view is not None and (m is None or m.rank != 0):
             self._wants_lock = False
             self._release()
             return
         self._wants_lock = True
-        self._world_size = w.membership.size if w is not None else 1
+        self._world_size = m.size if m is not None else 1
         if self._atexit is None:
             self._atexit = self.close
             atexit.register(self._atexit)
@@ -169,20 +177,22 @@ class Checkpointer:
             self._failed("taking the directory lock", exc)
         self._resume(state)
 
-    def before_save(self, state):
-        """Never wait for the writer: give it the buffers it still reads, take spares."""
+    def before_save(self, snapshot: Snapshot) -> None:
+        """Never wait for the writer: give it the buffers it still reads, take spares
+        (``Snapshot.swap_buffer``)."""
         with self._mu:
             if not self._unread:
                 if self._retired:
-                    self._recycle(state.snapshot.buffers)
+                    self._recycle(snapshot.buffers)
                 return
-            buffers = state.snapshot.buffers
+            buffers = snapshot.buffers
             for i, buf in self._unread.items():
                 if i < len(buffers) and buffers[i] is buf:
                     key = (tuple(buf.shape), buf.dtype, buf.is_pinned())
                     pool = self._spares.get(key)
-                    buffers[i] = pool.pop() if pool else torch.empty(
+                    spare = pool.pop() if pool else torch.empty(
                         buf.shape, dtype=buf.dtype, pin_memory=key[2])
+                    snapshot.swap_buffer(i, buf, spare)
                     self._retired.append(buf)
                     self.stats["swapped_bytes"] += buf.numel() * buf.element_size()
             self.stats["swapped_commits"] += 1
@@ -200,8 +210,9 @@ class Checkpointer:
                 pool.append(b)
         self._retired = []
 
-    def after_commit(self, state):
-        """Hand the commit just saved to the writer thread when a checkpoint is due."""
+    def committed(self, version: int, snapshot: Snapshot) -> None:
+        """A commit listener (State.add_commit_listener): hand commit ``version``, just
+        saved in ``snapshot``, to the writer thread when a checkpoint is due."""
         if not self._lock.held:
             if self._wants_lock:
                 self._try_acquire()
@@ -212,7 +223,7 @@ class Checkpointer:
                or (self.every_seconds is not None
                    and time.monotonic() - self._last_time >= self.every_seconds))
         if due:
-            self._submit(state)
+            self._submit(version, snapshot)
 
     # -- public ---------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -239,7 +250,7 @@ class Checkpointer:
             if final and state is not None and not state.snapshot.empty \
                     and state.commit_version > max(self._last_version, 0):
                 # On this thread: at exit, no new thread may be allowed to start.
-                self._write(self._job_of(state))
+                self._write(self._job_of(state.commit_version, state.snapshot))
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -264,11 +275,10 @@ class Checkpointer:
         self._last_version = max(self._last_version, above)
         self._since_commits, self._last_time = 0, time.monotonic()
         self.resumed_from = {"version": version, "path": path}
-        _tell_driver(version)
+        self._tell_driver(version)
         log.info("resumed from checkpoint %s (commit %s)", path, version)
 
-    def _submit(self, state):
-        snap = state.snapshot
+    def _submit(self, version, snap):
         with self._cond:
             if self._busy:
                 self.stats["deferred"] += 1
@@ -278,7 +288,7 @@ class Checkpointer:
                 if self._retired:
                     self._recycle(snap.buffers)
                 self._unread = dict(enumerate(snap.buffers))
-            self._job = self._job_of(state)
+            self._job = self._job_of(version, snap)
             self._since_commits, self._last_time = 0, time.monotonic()
             if self._thread is None or not self._thread.is_alive():
                 self._closing = False
@@ -305,9 +315,8 @@ class Checkpointer:
                 with self._mu:
                     self._spares.setdefault(key, []).extend(fresh)
 
-    def _job_of(self, state):
-        snap = state.snapshot
-        return state.commit_version, snap.skeleton, list(snap.buffers), self._world_size
+    def _job_of(self, version, snap):
+        return version, snap.skeleton, list(snap.buffers), self._world_size
 
     def _writer(self):
         while True:
@@ -341,7 +350,7 @@ class Checkpointer:
             return
         self._recovered()
         self._last_version = max(self._last_version, version)
-        _tell_driver(version)
+        self._tell_driver(version)
         self.stats["checkpoints"] += 1
         self.stats["bytes_written"] += result["bytes_written"]
         self.stats["bytes_total"] += result["bytes_total"]
@@ -407,18 +416,17 @@ class Checkpointer:
         if was is not None:
             log.info("checkpoints to %s work again", self.directory)
 
+    def _tell_driver(self, version):
+        """Heartbeats say the newest checkpoint: a job whose every holder of the state is
+        gone may then resume from it (runner/holders.py)."""
+        view = self._round
+        if view is not None:
+            view.progress.durable = max(view.progress.durable, int(version))
+
     def _release(self):
         if self._lock.held:
             self.wait(self.write_timeout_s)
             self._lock.release()
-
-
-def _tell_driver(version):
-    """Heartbeats say the newest checkpoint: a job whose every holder of the state is gone
-    may then resume from it (runner/holders.py)."""
-    w = runtime.worker()
-    if w is not None:
-        w.progress.durable = max(w.progress.durable, int(version))
 
 
 def resolve(checkpoint):

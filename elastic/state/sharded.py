@@ -135,8 +135,7 @@ class ShardedState(State):
         gen = self._save(max(self._version, 0) + 1)
         w = runtime.worker()
         if w is not None:
-            flags = torch.tensor(w.commit_flags(), dtype=torch.int32)
-            collectives.allreduce_(flags, collectives.Max)
+            check = w.agree_on_commit()
         self._promote(gen)
         if self._files is not None:
             me = _rank_size()[0]
@@ -147,7 +146,7 @@ class ShardedState(State):
             if self._files is not None:     # the driver's holders.py: a checkpoint exists
                 w.progress.durable = max(w.progress.durable, self._files.durable)
             w.progress.timed("commit", time.perf_counter() - started)
-            w.act_on_commit_flags(flags.tolist(), self._version)
+            w.act_on_commit(check, self._version)
 
     def save(self):
         """Commit the live state again as the current version (no collective check)."""
@@ -323,8 +322,7 @@ def _parts():
 
 def _round_group():
     group = torch_world.current()
-    if group is None and runtime.worker() is not None:
-        runtime.ensure_joined()            # between rounds inside elasticrun: join
+    if group is None and runtime.ensure_joined() is not None:   # inits; joins between rounds
         group = torch_world.current()
     if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         group = torch.distributed.group.WORLD

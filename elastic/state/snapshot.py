@@ -73,9 +73,10 @@ class Snapshot:
     flat buffers as they are and receives into them (``header``, ``flats``,
     ``receive_buffers``, ``install``).
 
-    ``buffers`` is a list others may edit: a checkpoint writer that still reads
-    ``buffers[i]`` swaps a spare tensor in (elastic.checkpoint). The flats only
-    stand for the snapshot while every buffer is still its own view (``intact``).
+    A checkpoint writer that still reads ``buffers[i]`` swaps a spare tensor in
+    through ``swap_buffer`` (elastic.checkpoint); nobody edits ``buffers`` from
+    outside. The flats only stand for the snapshot while every buffer is still its
+    own view (``intact``).
     """
 
     def __init__(self):
@@ -97,6 +98,17 @@ class Snapshot:
         """Whether the flats hold the snapshot (no buffer was swapped out)."""
         return len(self.buffers) == len(self._views) and all(
             b is v for b, v in zip(self.buffers, self._views))
+
+    def swap_buffer(self, index, expected, replacement):
+        """Put ``replacement`` in place of buffer ``index`` if that still is ``expected``
+        (a checkpoint writer reads it: the next save must not overwrite it); returns
+        whether it did. The next save copies into ``replacement``."""
+        if index >= len(self.buffers) or self.buffers[index] is not expected:
+            return False
+        if replacement.shape != expected.shape or replacement.dtype != expected.dtype:
+            raise ValueError("a swapped-in buffer must have the shape and dtype of the old one")
+        self.buffers[index] = replacement
+        return True
 
     def save(self, tree):
         skeleton, tensors = split(tree)

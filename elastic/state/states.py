@@ -13,30 +13,43 @@ import copy
 import os
 import time
 import warnings
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from elastic import protocol
 from elastic.state import handlers, transfer
 from elastic.state.snapshot import Arena, Snapshot, host_clone, join, numel_by_dtype, pack, split
-from elastic.worker import collectives, runtime
-from elastic.worker.waiting import run_blocking
+from elastic.worker import round_view
+
+if TYPE_CHECKING:
+    from elastic.worker.round_view import RoundView
 
 _UNCOMMITTED = -1
+_UNBOUND = object()      # no round given: the process's worker's, if any (round_view.current)
 
 
 class State:
-    """Base class: subclasses say how to capture and apply their live state."""
+    """Base class: subclasses say how to capture and apply their live state.
+
+    A State holds data and snapshots. What it needs of the round it runs in is a
+    ``RoundView`` (elastic/worker/round_view.py): the run loop gives it one
+    (``use_round``), a test may give a fake. Who acts on a commit listens
+    (``add_commit_listener``: the Checkpointer); the commit's collective check and
+    what the driver learns of a commit are the round's (``RoundView.check_commit``,
+    ``RoundView.committed``).
+    """
 
     _checkpoint = None   # an elastic.Checkpointer (see TorchState), or None
 
     def __init__(self):
         self._reset_callbacks = []
+        self._commit_listeners = []
         self._snapshot = Snapshot()
         self._version = _UNCOMMITTED
         self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0,
                            "received_into": None, "copied_into": None}
-        self._published_specs = None
+        self._round_view = _UNBOUND
         self._arena = None       # touched memory for the first restore's copies (Arena)
         self._reserve_for_sync()
 
@@ -60,6 +73,20 @@ class State:
         self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def use_round(self, view: RoundView | None) -> None:
+        """Commit and sync in ``view``'s round (None: standalone, a world of one).
+        The run loop passes its worker's; without it the process's worker's is used."""
+        self._round_view = view
+
+    def add_commit_listener(self, listener: Callable[[int, Snapshot], None]) -> None:
+        """Call ``listener(version, snapshot)`` after each commit is saved, before its
+        collective check (a Checkpointer hands the snapshot to its writer there)."""
+        self._commit_listeners.append(listener)
+
+    def _round(self) -> RoundView | None:
+        view = self._round_view
+        return round_view.current(connect=True) if view is _UNBOUND else view
 
     @property
     def commit_version(self) -> int:
@@ -85,24 +112,23 @@ class State:
 
     def save(self) -> None:
         if self._checkpoint is not None:
-            self._checkpoint.before_save(self)   # the writer may still read the snapshot
+            self._checkpoint.before_save(self._snapshot)   # the writer may still read it
         self._snapshot.save(self.capture())
 
     def commit(self) -> None:
-        """Snapshot to host memory, then learn collectively whether a round is pending."""
+        """Snapshot to host memory, tell the round and the listeners, then learn
+        collectively whether a round is pending (the round's check raises then)."""
         started = time.perf_counter()
         self.save()
         self._version = max(self._version, 0) + 1
-        w = runtime.worker()
-        if w is not None:
-            w.progress.committed()
-            w.progress.holds = self._version
-            self._publish_specs(w)
-        if self._checkpoint is not None:
-            self._checkpoint.after_commit(self)
+        view = self._round()
+        if view is not None:
+            view.committed(self)
+        for listener in self._commit_listeners:
+            listener(self._version, self._snapshot)
         self.check_host_updates()
-        if w is not None:
-            w.progress.timed("commit", time.perf_counter() - started)
+        if view is not None:
+            view.progress.timed("commit", time.perf_counter() - started)
 
     def restore(self) -> None:
         if not self._snapshot.empty:
@@ -125,56 +151,52 @@ class State:
 
     def check_host_updates(self) -> None:
         """One tiny collective, so every rank raises at the same commit: for a new
-        round, a rank leaving (SIGTERM to it) or elasticrun stopping."""
-        w = runtime.worker()
-        if w is None:
-            return
-        flags = torch.tensor(w.commit_flags(), dtype=torch.int32)
-        collectives.allreduce_(flags, collectives.Max)
-        w.act_on_commit_flags(flags.tolist(), self._version)
+        round, a rank leaving (SIGTERM to it) or elasticrun stopping (the round's
+        ``check_commit``, whose typed result it does not need)."""
+        view = self._round()
+        if view is not None:
+            view.check_commit(self._version)
 
     def sync(self) -> None:
         """Bring every rank to the newest commit, moving bytes only where needed."""
-        w = runtime.worker()
+        view = self._round()
         started = time.perf_counter()
         if self._checkpoint is not None:
-            self._checkpoint.before_sync(self)   # rank 0 of a fresh job loads the newest
+            self._checkpoint.before_sync(self, view)   # rank 0 of a fresh job loads the newest
         self.sync_stats["syncs"] += 1
-        if w is None:
+        if view is None:
             self._after_sync(max(self._version, 0))
             return
         live = split(self.capture()) if self._version != _UNCOMMITTED else None
         ready = live is not None and self._snapshot.unchanged(live[1])
         mine = [self._version, int(ready), self._snapshot.layout_id() if ready else 0,
                 _max_senders()]
-        infos = collectives.allgather(torch.tensor([mine], dtype=torch.int64)).tolist()
+        infos = view.allgather(torch.tensor([mine], dtype=torch.int64)).tolist()
         newest = max(v for v, *_ in infos)
         holders = [r for r, (v, *_) in enumerate(infos) if v == newest]
         rt = transfer.route([tuple(i[:3]) for i in infos], infos[holders[0]][3])
         self.sync_stats["root"] = rt.root if rt is not None else holders[0]
-        me = w.membership.rank
+        me = view.membership.rank
         if rt is not None and me in rt.senders:
-            self._send(rt, me, live if ready else None)
+            self._send(view, rt, me, live if ready else None)
         elif rt is not None and me in rt.receivers:
-            self._receive(rt, me)
+            self._receive(view, rt, me)
         self._after_sync(max(newest, 0))
-        w.progress.timed("sync", time.perf_counter() - started)
+        view.progress.timed("sync", time.perf_counter() - started)
 
     # -- internals ------------------------------------------------------------------------------
     def _reserve_for_sync(self):
         """A newcomer builds its state before it registers, so before it is admitted:
         the moment to allocate and touch the buffers its first sync will receive into,
-        with the flats rank 0 published at its last commit (``_publish_specs``). Then
+        with the flats rank 0 published at its last commit (``newcomer_spec``). Then
         that sync pays no page faults for the snapshot (received once, in memory in use).
         Only when elastic is initialized and a spec was published (a job already
         running); a stale spec is simply not used (``Snapshot.receive_buffers``)."""
-        if not runtime.is_initialized():
-            return
-        w = runtime.worker()
-        if w is None:
+        view = round_view.current()      # never connects: elastic.init() came first, or none
+        if view is None:
             return
         try:
-            spec = w.control.get(protocol.Keys.state_spec(type(self).__qualname__))
+            spec = view.read_newcomer_spec(type(self).__qualname__)
             if spec and spec.get("flats"):
                 self._snapshot.reserve(spec["flats"], pin=torch.cuda.is_available())
             if spec and spec.get("copies") and not torch.cuda.is_available():
@@ -183,24 +205,14 @@ class State:
             self._snapshot.drop_reserve()
             self._arena = None
 
-    def _publish_specs(self, w):
-        """Rank 0 puts its snapshot's flat specs in the control store when they change
-        (the first commits, a new layout): one small put, not one per commit."""
-        m = w.membership
-        if m is None or m.rank != 0:
-            return
-        specs = self._snapshot.specs()
-        if specs == self._published_specs:
-            return
+    def newcomer_spec(self) -> dict:
+        """What a State built while the job runs allocates ahead of its first sync: the
+        snapshot's flats (dtype, length) and how many elements of each dtype its first
+        restore copies (``Snapshot.reserve``, ``Arena``). Rank 0's round publishes it."""
         kept = []
         self._copies(self._snapshot.materialize(shared=True), lambda t: kept.append(t) or t)
-        try:
-            w.control.put(protocol.Keys.state_spec(type(self).__qualname__),
-                          {"flats": [list(x) for x in specs],
-                           "copies": [list(x) for x in numel_by_dtype(kept)]})
-            self._published_specs = specs
-        except Exception:  # noqa: BLE001 - only an optimization for newcomers
-            pass
+        return {"flats": [list(x) for x in self._snapshot.specs()],
+                "copies": [list(x) for x in numel_by_dtype(kept)]}
 
     def _remember_live(self):
         """The live state now equals the snapshot: a later sync may send the snapshot for it."""
@@ -210,16 +222,15 @@ class State:
         """Ranks that already held the newest commit keep their snapshot, and receivers
         received straight into theirs (``_receive``): no copy either way."""
         self._version = version
-        w = runtime.worker()
-        if w is not None and w.progress.holds != version:
-            w.progress.holds = version     # the driver learns at once that we hold the state
-            w.heartbeat.wake()
+        view = self._round()
+        if view is not None:
+            view.holds(version)           # the driver learns at once that we hold the state
         self._snapshot.drop_reserve()      # not needed (held the commit, or a new layout)
         self._arena = None
         if self._snapshot.empty:
             self.save()
 
-    def _send(self, rt, me, live):
+    def _send(self, view, rt, me, live):
         """Send this rank's share of the commit down the receivers' chain.
 
         ``live``: the (skeleton, tensors) just captured, when the tensors are unchanged
@@ -232,24 +243,24 @@ class State:
             header, flats = self._snapshot.header(live[0]), self._snapshot.flats()
         else:
             header, flats = pack(self.capture())
-        group = runtime.worker().cpu_group
+        group = view.cpu_group
 
         def send():
             if me == rt.root:
                 transfer.relay_header(group, header, rt, me)
             return transfer.send_share(group, flats, rt, me)
-        self.sync_stats["bytes_sent"] += run_blocking(send, "state send", runtime.worker())
+        self.sync_stats["bytes_sent"] += view.run_blocking(send, "state send")
 
-    def _receive(self, rt, me):
+    def _receive(self, view, rt, me):
         """Receive into the snapshot's own flat buffers when the layout matches (memory
         already touched), else into new ones, forwarding each chunk down the chain as it
         lands; then load the live objects from the snapshot."""
-        group = runtime.worker().cpu_group
-        header = run_blocking(
-            lambda: transfer.relay_header(group, None, rt, me), "state header", runtime.worker())
+        group = view.cpu_group
+        header = view.run_blocking(
+            lambda: transfer.relay_header(group, None, rt, me), "state header")
         snap = self._snapshot
         if self._checkpoint is not None:
-            self._checkpoint.before_save(self)   # never receive into what the writer reads
+            self._checkpoint.before_save(snap)   # never receive into what the writer reads
         had_reserve = snap.reserved is not None
         flats = snap.receive_buffers(header)
         own = snap.flats()
@@ -258,9 +269,8 @@ class State:
         self.sync_stats["received_into"] = "snapshot" if in_place else (
             "reserve" if had_reserve and snap.reserved is None else "new")
         try:
-            got, forwarded = run_blocking(
-                lambda: transfer.receive_and_forward(group, flats, rt, me), "state receive",
-                runtime.worker())
+            got, forwarded = view.run_blocking(
+                lambda: transfer.receive_and_forward(group, flats, rt, me), "state receive")
         except BaseException:
             if in_place:
                 # The snapshot is partly overwritten (and an abandoned receive may still
@@ -338,6 +348,9 @@ class TorchState(ObjectState):
         self.model = model
         self.optimizer = optimizer
         self._checkpoint = resolve(elastic_checkpoint)
+        if self._checkpoint is not None:
+            # Looked up at each commit: the bench wraps the checkpointer's hooks.
+            self.add_commit_listener(lambda version, snap: self._checkpoint.committed(version, snap))
         for name in self._names():
             handler = handlers.handler_for(getattr(self, name))
             if handlers.is_horovod_style(handler):

@@ -63,8 +63,7 @@ class DistributedDataParallel(torch.nn.Module):
     # -- the round's DDP --------------------------------------------------------------
     def _group(self):
         group = torch_world.current()
-        if group is None and runtime.worker() is not None:
-            runtime.ensure_joined()            # between rounds inside elasticrun: join
+        if group is None and runtime.ensure_joined() is not None:   # inits; joins between rounds
             group = torch_world.current()
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD           # torchrun, or a script's own init

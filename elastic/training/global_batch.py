@@ -141,7 +141,7 @@ def iterate_global_batches(sampler, optimizer, micro_batch_size=None):
         raise ValueError(f"micro_batch_size must be an int >= 1 or None, not {micro_batch_size!r}")
     number = 0
     while sampler.global_batches_left > 0:
-        if runtime.worker() is not None and (runtime.rank(), runtime.size()) != (
+        if runtime.ensure_joined() is not None and (runtime.rank(), runtime.size()) != (
                 sampler.rank, sampler.size):
             raise RuntimeError(
                 f"the sampler splits batches for rank {sampler.rank} of {sampler.size} but this "

@@ -34,7 +34,7 @@ from elastic.worker import devices, nccl, torch_world, waiting
 from elastic.worker.sliced import AbortWatch, wait_sliced
 
 if TYPE_CHECKING:
-    from elastic.worker.runtime import Worker
+    from elastic.worker.torch_world import RoundMember
 
 class TrackedGroup:
     """A process group that remembers its unfinished work.
@@ -166,7 +166,7 @@ def form_groups(watch: AbortWatch, rendezvous: dist.Store, rank: int, size: int,
     return cpu, TrackedGroup(result["device"], abortable=True)
 
 
-def build_groups(worker: Worker, round_id: int,
+def build_groups(worker: RoundMember, round_id: int,
                  placement: devices.Placement,
                  rendezvous: dist.Store) -> tuple[TrackedGroup, TrackedGroup]:
     """(cpu group, device group) of ``worker``'s membership in ``round_id``, met

@@ -8,7 +8,7 @@ import time
 from typing import Callable, TypeVar
 
 from elastic.exceptions import HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
-from elastic.worker import error_file, logs, runtime, torch_world
+from elastic.worker import error_file, logs, round_view, runtime, torch_world
 
 log = logging.getLogger(__name__)
 logs.install()
@@ -30,7 +30,10 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        worker = runtime.ensure_joined()
+        worker = runtime.ensure_joined()     # the entry point: connects, joins a round
+        use_round = getattr(state, "use_round", None)
+        if use_round is not None:
+            use_round(round_view.current())  # the state's explicit view of this worker's rounds
         rejoin = False
         paused_at = None
         while True:

@@ -1,9 +1,9 @@
-"""The worker's side of the job: membership, rounds and the heartbeat.
+"""The worker process's side of the job: its connections, reports, leaving, the
+heartbeat, and the module-level API (init, rank, size...).
 
-A worker follows the driver's rounds: it registers, waits for a plan that
-names it, assembles with the round's other members and builds the round's
-process groups (groups.py). Every wait is bounded and watches the round's
-abort key (waiting.py). See docs/architecture.md for a round's life.
+How it follows the driver's rounds (join, assemble, enter, heal) is rounds.py's
+``RoundLifeCycle``, which ``Worker`` extends. Every wait is bounded and watches
+the round's abort key (sliced.py). See docs/architecture.md for a round's life.
 """
 
 from __future__ import annotations
@@ -15,28 +15,24 @@ import sys
 import threading
 import time
 
-import torch
-
 from elastic import protocol as control
-from elastic.exceptions import ElasticError, HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
+from elastic.exceptions import HostsUpdatedInterrupt, StopTraining
 from elastic.protocol import ControlError, ControlStore, Keys, env_float
-from elastic.worker import logs
+from elastic.worker import commits, logs
+from elastic.worker.commits import CommitCheck
 from elastic.worker.driver_contact import DriverContact, driver_grace
 from elastic.worker.exit_guard import ExitGuard
-from elastic.worker.groups import RetiredGroups, build_groups, placement_for
 from elastic.worker.liveness import CONNECT_TIMEOUT_S, BeatLink, Heartbeat, LeavingReport, Progress
 from elastic.worker.membership import Membership
-from elastic.worker.signed_store import SignedStore
+from elastic.worker.rounds import RoundLifeCycle
 
 log = logging.getLogger(__name__)
 logs.install()
 
 
-SELF_ASSEMBLY_MAX = 64      # rounds up to this size: members also see each other arrive
-
-
-class Worker:
-    """One process of an elasticrun job."""
+class Worker(RoundLifeCycle):
+    """One process of an elasticrun job: its connections, reports, leaving and heartbeat;
+    the round life cycle is RoundLifeCycle's (rounds.py)."""
 
     beats_on_own_thread = True    # make scale beats for many workers from one thread
 
@@ -57,20 +53,7 @@ class Worker:
         self.contact = DriverContact(self, driver_grace(env))   # joining mode: outlive the driver
         self.control = self.new_control_connection(
             reconnect_within_s=self.contact.reconnect_window(control.RECONNECT_WITHIN_S))
-        self.round_id = 0
-        self.membership = None
-        self.ever_member = False
-        self.registered = False
-        self.cpu_group = None
-        self.device_group = None
-        self.placement = None
-        self.retired_groups = RetiredGroups()
-        self._latest = 0
-        self._size_hint = int(env.get(control.ENV_SIZE) or 1)   # sets how often we look
-        self._healed_at = 0.0
-        self._standing = set()      # our sealed reports kept in place until the next round
-        self._rendezvous = None     # the forming round's SignedStore, healed until it checks
-        self._round_store = None    # the current round's SignedStore (its keys go with it)
+        self._init_rounds(size_hint=int(env.get(control.ENV_SIZE) or 1))
         self.progress = Progress()
         self.leave_requested = 0     # the signal number once SIGTERM asked us to leave
         self._leave_flagged = 0      # ... as this rank's commit flags told its peers
@@ -95,22 +78,6 @@ class Worker:
         return dict(self.progress.report(), leaving=self.leave_requested,
                     round=self.round_id, latest=self._latest)
 
-    # -- rounds ---------------------------------------------------------------
-    def latest_round(self):
-        """Only ever moves forward: an older (replayed) or unreadable value changes nothing."""
-        value = self.contact.news(Keys.LATEST_ROUND)   # the driver away: no news
-        if value is not None:
-            self._latest = max(self._latest, int(value["round"]))
-        return self._latest
-
-    @property
-    def known_latest(self):
-        return self._latest
-
-    def learn_latest(self, round_id):
-        """A newer round rank 0 verified, from the commit's collective: joined without a read."""
-        self._latest = max(self._latest, int(round_id))
-
     @property
     def polls_work(self):
         """NCCL work must be polled: its future completes when the kernel is queued."""
@@ -121,16 +88,6 @@ class Worker:
         if self.device_group is not None and self.device_group.abortable:
             from elastic.worker import nccl
             nccl.abort(self.device_group.group)
-
-    def round_aborted(self):
-        """Whether the driver aborted our round (a sealed abort; a forged one is ignored).
-
-        While a new group forms, this is also when our rendezvous values are put
-        back if something overwrote them: peers may still need them."""
-        if self._rendezvous is not None:
-            self._rendezvous.heal()
-            self._heal_kept()
-        return self.round_id > 0 and self.contact.news(Keys.abort(self.round_id)) is not None
 
     def report_failure(self, error=""):
         """Our own sealed report with ``error`` (kept until the next round), plus a doorbell."""
@@ -166,7 +123,7 @@ class Worker:
         self.leave_requested = int(signum)
         self.heartbeat.wake()      # tell the driver now, from the heartbeat's connection
 
-    def commit_flags(self):
+    def commit_flags(self) -> CommitCheck:
         """What this rank brings to the commit's collective check.
 
         Only rank 0 looks at the store: the collective (a Max) hands its answer to
@@ -175,22 +132,35 @@ class Worker:
         self._leave_flagged = self.leave_requested
         looks = self.membership is None or self.membership.rank == 0
         latest = self.latest_round() if looks else 0
-        return [latest if latest > self.round_id else 0, 1 if self._leave_flagged else 0,
-                1 if looks and self.stop_requested() else 0]
+        return CommitCheck(pending_round=latest if latest > self.round_id else 0,
+                           leaving=bool(self._leave_flagged),
+                           stopping=bool(looks and self.stop_requested()))
 
-    def act_on_commit_flags(self, flags, commit):
-        """Every rank got the same Max of the flags, so every rank acts alike. A SIGTERM
-        that arrived during the collective waits for the next commit: peers did not hear
-        of it at this one, and leaving now would break their next collective."""
-        pending, leaving, stopping = flags
-        self.learn_latest(pending)      # rank 0's newest round (0: none): no read to join it
-        if stopping:
+    def agree_on_commit(self) -> CommitCheck:
+        """The commit's collective check: every rank gets the same CommitCheck."""
+        if self.membership is None:
+            self.join_next_round()        # a commit between rounds joins one first
+        return commits.agree(self.commit_flags(), self.cpu_group, self)
+
+    def act_on_commit(self, check: CommitCheck, commit: int) -> CommitCheck:
+        """Every rank got the same ``check``, so every rank acts alike: raises StopTraining
+        to stop or leave, HostsUpdatedInterrupt to re-form; returns ``check`` when training
+        goes on. A SIGTERM that arrived during the collective waits for the next commit:
+        peers did not hear of it at this one, and leaving now would break their next
+        collective."""
+        self.learn_latest(check.pending_round)   # rank 0's newest round: no read to join it
+        if check.stopping:
             raise StopTraining(f"elasticrun is stopping; stopped at commit {commit}")
         if self._leave_flagged:
             self._announce_leaving(commit)
             raise StopTraining(f"signal {self.leave_requested}: left the job at commit {commit}")
-        if pending or leaving:
+        if check.reforms:
             raise HostsUpdatedInterrupt()
+        return check
+
+    def check_commit(self, commit: int) -> CommitCheck:
+        """Agree on the commit numbered ``commit`` and act on it (see act_on_commit)."""
+        return self.act_on_commit(self.agree_on_commit(), commit)
 
     def _announce_leaving(self, commit=None):
         try:
@@ -205,180 +175,6 @@ class Worker:
             raise StopTraining(f"signal {self.leave_requested}: left the job between rounds")
         if self.stop_requested():
             raise StopTraining("elasticrun is stopping; stopped between rounds")
-
-    def join_next_round(self):
-        """Leave the current round and block until a newer one including us forms.
-
-        Always follows the newest round: one published while we wait for an
-        older one to assemble replaces it.
-        """
-        self._drop_groups()
-        if not self.registered:
-            self.control.put(Keys.ready(self.worker_id), {"pid": os.getpid()}, keep=True)
-            control.Doorbell(self.control, Keys.REGISTERED).ring(self.worker_id)
-            self._standing.add(Keys.ready(self.worker_id))
-            self.registered = True
-        deadline = time.monotonic() + self.round_timeout
-        tried = self.round_id
-        self.progress.begin_wait("next round", tried, on_peers=False)
-        # A round known from the commit is joined at once (the commit looked at the stop).
-        known = self._latest if self._latest > tried else None
-        stop_looked = time.monotonic() if known else 0.0
-        try:
-            while True:
-                if self.leave_requested or \
-                        time.monotonic() - stop_looked >= control.backstop_pause(self._size_hint):
-                    stop_looked = time.monotonic()   # the stop key is looked at less often
-                    self._check_stop()
-                self.retired_groups.release_drained()
-                latest, known = known or self.latest_round(), None
-                if latest > tried:
-                    outcome = self._try_round(latest, deadline)
-                    if outcome:
-                        for key in self._standing:
-                            self.control.forget(key)
-                        self._standing.clear()
-                        return self.membership
-                    if outcome is not None:
-                        tried = latest  # not a member, or aborted; None: plan not readable yet
-                    self.progress.begin_wait("next round", tried, on_peers=False)
-                if time.monotonic() > deadline:
-                    raise ElasticError(f"no new round within {self.round_timeout:.0f} s")
-                self._heal_kept()          # our registration and failure report stay readable
-                time.sleep(control.poll_pause(self._size_hint, 0, first=0.02))
-        finally:
-            self.progress.end_wait()
-
-    def _try_round(self, round_id, deadline):
-        """True: joined. False: not for us (not a member, or aborted). None: the plan
-        is not readable (yet): try again.
-
-        A member reads only its own entry (it carries the size): reads do not grow with
-        the job. The header (member id runs) only where the entry is missing ("not a
-        member" or "not yet") and in small rounds, whose members see each other arrive."""
-        me = self.control.get(Keys.member(round_id, self.worker_id))
-        small = None
-        if me is None or int(me["size"]) <= SELF_ASSEMBLY_MAX:
-            plan = self.control.get(Keys.plan(round_id))
-            if plan is None:
-                return None
-            self._size_hint = int(plan["size"])
-            if not control.ids_contain(plan["ids"], self.worker_id):
-                if self.ever_member:
-                    self.leave_process(f"not a member of round {round_id}; leaving the job")
-                return False
-            if me is None:
-                return None       # an outsider removed it: the driver puts it back
-            small = control.decode_ids(plan["ids"])
-        self._size_hint = int(me["size"])
-        try:
-            return self._enter(round_id, self._size_hint, small, me, deadline)
-        finally:   # the driver has read our arrival, or the round is over
-            self.control.forget(Keys.joined(round_id, self.worker_id))
-
-    def _assemble(self, round_id, size, deadline, member_ids=None):
-        """Put our sealed arrival and wait for the driver's word that every member
-        arrived; False if the round was aborted or replaced first.
-
-        In a small round (``member_ids`` given) the members' arrivals are also looked at
-        directly, saving the driver's tick (a 4-worker job's pause); in a big one that
-        would be O(n) per look per worker."""
-        keys = [Keys.joined(round_id, w) for w in member_ids or ()]
-        self.control.put(Keys.joined(round_id, self.worker_id), {"round": round_id}, keep=True)
-        control.Doorbell(self.control, Keys.arrivals(round_id)).ring(self.worker_id)
-        # Kept values just written or read by the driver: no heal, and in a big round no
-        # look either, until a pause has passed (the store's busiest moment).
-        began = self._healed_at = time.monotonic()
-        self.progress.begin_wait(f"round {round_id} assembly", round_id)
-        looked = began
-        if not keys:
-            time.sleep(control.poll_pause(size, 0))
-        while True:
-            if keys and len(self.control.get_present(keys)) == len(keys):
-                return True
-            outcome = self.control.get(Keys.assembled(round_id))
-            if outcome is not None:
-                return bool(outcome["ok"])
-            now = time.monotonic()
-            if now - looked >= control.backstop_pause(size):
-                # Rarer looks: the driver also says "not ok" on this key when it
-                # aborts or replaces the round, so these are only a backstop.
-                looked = now
-                if self.contact.news(Keys.abort(round_id)) is not None:
-                    return False
-                if self.latest_round() > round_id:
-                    outcome = self.control.get(Keys.assembled(round_id))
-                    return bool(outcome and outcome["ok"])
-                self._check_stop()
-            elif self.leave_requested:
-                self._check_stop()
-            if now > deadline:
-                raise ElasticError(f"round {round_id} did not assemble in time")
-            self._heal_kept()
-            time.sleep(control.poll_pause(size, now - began))
-
-    def _heal_kept(self):
-        """Put back our kept values (registration, arrival, failure report) where
-        something overwrote them; at most every protocol.backstop_pause of the round."""
-        now = time.monotonic()
-        if now - self._healed_at >= control.backstop_pause(self._size_hint) and \
-                not self.contact.away:
-            self._healed_at = now
-            self.control.heal()
-
-    def _enter(self, round_id, size, small, me, deadline):
-        if not self._assemble(round_id, size, deadline, small):
-            return False
-        self.round_id = round_id
-        self.membership = Membership(
-            rank=me["rank"], size=size, local_rank=me["local_rank"], local_size=me["local_size"],
-            cross_rank=me["cross_rank"], cross_size=me["cross_size"], hostname=me["host"],
-        )
-        self.placement = placement_for(self.membership)
-        if self.placement.device is not None:
-            # The current CUDA device is per thread: set it where training runs.
-            torch.cuda.set_device(self.placement.device)
-        self._rendezvous = self._round_store = SignedStore(
-            self.control, Keys.process_group(round_id), self.collective_timeout)
-        try:
-            self.progress.begin_wait("group set-up", round_id)
-            self.cpu_group, self.device_group = self.form_groups(round_id)
-        except WorkersDepartedError as exc:
-            self.report_failure(exc)
-            self._drop_groups()
-            return False
-        finally:
-            self._rendezvous = None
-        if not self.ever_member:
-            self.membership.export()
-        self.ever_member = True
-        return True
-
-    def form_groups(self, round_id):
-        """The round's (CPU group, device group), through its signing rendezvous."""
-        return build_groups(self, round_id, self.placement, self._rendezvous)
-
-    def _drop_groups(self):
-        """Leave the round's groups without waiting for them to drain.
-
-        A group whose work all finished is freed at once; one with work still
-        in flight (an aborted round) is kept, so that the work never writes into
-        freed memory and its destructor never blocks, and is freed once that
-        work has drained (groups.py).
-        """
-        self.retired_groups.retire(self.cpu_group, self.device_group)
-        self.cpu_group = self.device_group = None
-        if self._round_store is not None:
-            # The round is over: its rendezvous values would stay in the store forever
-            # (a driver that is away takes its store along: nothing to delete, no wait).
-            try:
-                if not self.contact.away:
-                    self._round_store.delete_mine()
-            except Exception:  # noqa: BLE001 - the driver also drops old rounds' keys
-                pass
-            self._round_store = None
-        self.membership = None
-        self.retired_groups.release_drained()
 
     def leave_process(self, why):
         """Not in the job any more: end this process (exit 0)."""
@@ -455,13 +251,16 @@ def current_membership() -> Membership | None:
 
 
 def worker() -> Worker | None:
-    """The current Worker, or None when running standalone."""
-    init()
+    """The current Worker, or None standalone or before ``init()``. A getter: it never
+    connects or joins (``ensure_joined`` is the entry point that does)."""
     return _worker
 
 
 def ensure_joined() -> Worker | None:
-    w = worker()
+    """The entry point of everything that needs a round: ``init()`` (connect), then
+    join one if this worker is between rounds. None standalone."""
+    init()
+    w = _worker
     if w is not None and w.membership is None:
         w.join_next_round()
     return w

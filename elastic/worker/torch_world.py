@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,19 @@ from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.worker import waiting
 
 if TYPE_CHECKING:
+    from elastic.protocol import ControlStore
     from elastic.worker.groups import TrackedGroup
-    from elastic.worker.runtime import Worker
+    from elastic.worker.membership import Membership
+
+
+class RoundMember(waiting.RoundWaits, Protocol):
+    """What a round's default group reads of the worker: its place in the round, the
+    waits (waiting.RoundWaits), and a store connection of its own for the watcher
+    of DDP's futures (abortable.py)."""
+
+    membership: Membership | None
+
+    def new_control_connection(self) -> ControlStore: ...
 
 # What dist.* and DDP call on a group; each goes to the backend of its tensors' device
 # (the coalesced *_tensor_coalesced ones, which gloo lacks, are below: _one_at_a_time).
@@ -131,7 +142,7 @@ class Works(dist.Work):
 class RoundGroup(dist.ProcessGroup):
     """One round's membership as a ``dist.ProcessGroup`` (rank, size, collectives)."""
 
-    def __init__(self, worker: Worker, round_id: int, cpu: TrackedGroup,
+    def __init__(self, worker: RoundMember, round_id: int, cpu: TrackedGroup,
                  device: TrackedGroup):
         super().__init__(worker.membership.rank, worker.membership.size)
         self.worker = worker
@@ -237,7 +248,7 @@ def current() -> RoundGroup | None:
     return _current
 
 
-def install(worker: Worker, round_id: int, cpu: TrackedGroup, device: TrackedGroup,
+def install(worker: RoundMember, round_id: int, cpu: TrackedGroup, device: TrackedGroup,
             rendezvous: dist.Store) -> RoundGroup:
     """Make the round's groups torch.distributed's default group, and set the
     torchrun variables to describe the round."""
@@ -302,7 +313,7 @@ def torchrun_env(membership, environ) -> dict[str, str]:
 ABORT_GRACE_S = 5.0    # how long an unexplained error waits for its round's abort
 
 
-def explains(exc: BaseException, worker: Worker | None) -> bool:
+def explains(exc: BaseException, worker: RoundMember | None) -> bool:
     """Whether ``exc``, raised by user code in a round, means a peer departed: a
     torch.distributed error, our own error passed through a C++ future (DDP's
     backward), or anything at all once the round is aborted.
