@@ -318,6 +318,35 @@ def test_weighted_micro_batches_give_the_global_mean_gradient(monkeypatch, op, s
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_a_ddp_owner_learns_before_each_forward_whether_its_backward_reduces(monkeypatch):
+    """torch's DDP decides at the forward pass: elastic.DDP (sync_backward) hears False
+    before each micro-batch but the last, and True again once the batch is done or
+    left early. The real DDP counts its launches in
+    tests/test_torch_distributed.py::test_fp16_compression_hook_bucketing_and_overlap_across_a_change."""
+    class Owner(FakeDistOpt):
+        def __init__(self):
+            super().__init__(Average)
+            self.heard = []
+
+        def sync_backward(self, sync):
+            self.heard.append(sync)
+
+    monkeypatch.setattr(runtime, "size", lambda: 2)
+    owner = Owner()
+    sampler = ElasticSampler(list(range(12)), global_batch_size=6)
+    batches = sampler.global_batches(owner, micro_batch_size=1)
+    seen = []
+    for micro in next(batches):
+        seen.append((owner.heard[-1], micro.last))
+    assert seen == [(False, False), (False, False), (True, True)]
+    assert owner.heard[-1] is True
+    sampler.record_global_batch()
+    for _micro in next(batches):
+        assert owner.heard[-1] is False
+        break                                    # left early: reset as the loop ends
+    assert owner.heard[-1] is True
+
+
 def test_plain_optimizer_only_on_its_own(monkeypatch):
     model = torch.nn.Linear(2, 1)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -107,8 +107,21 @@ def test_every_round_is_torchs_default_group_with_torchrun_variables(changing):
     assert later and set(later) == {"WorkersDepartedError"}
 
 
-def test_fp16_compression_hook_across_a_change(tmp_path):
-    """torch's fp16 hook through elastic.DDP: ranks stay bitwise equal across a scale-up."""
+def overlaps(order):
+    """A bucket's reduction launched ("L") before backward's last gradient ("G")."""
+    return "L" in order and "G" in order and order.index("L") < order.rindex("G")
+
+
+def test_overlaps_detects_only_a_launch_before_the_last_gradient():
+    assert overlaps("GGLGLL") and overlaps("LG")
+    assert not overlaps("GGGLLLL") and not overlaps("GGG") and not overlaps("LLL")
+
+
+def test_fp16_compression_hook_bucketing_and_overlap_across_a_change(tmp_path):
+    """torch's fp16 hook through elastic.DDP: ranks stay bitwise equal across a scale-up,
+    and in every step, before and after the change (DDP rebuilt on the new round's
+    group), DDP launched several buckets, the first while backward was still computing
+    the first layer's gradient: bucketing and overlap (by order, not by time)."""
     env = {"DDP_STEPS": "4", "DDP_HOLD": "2", "DDP_HOOK": "fp16"}
     job = Job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3"],
               hosts=["localhost:2"], env=env, script=DDP_JOB).start()
@@ -117,6 +130,17 @@ def test_fp16_compression_hook_across_a_change(tmp_path):
     assert job.finish() == 0, job.output()[-4000:]
     assert sizes_in_order(job.steps()) == [2, 3]
     assert finals(job)["step"] == 4
+    steps = job.steps()
+    firsts = {(r["worker"], r["round"]): r["step"] for r in sorted(steps, key=lambda r: -r["step"])}
+    later = [r for r in steps if firsts[r["worker"], r["round"]] != r["step"]]
+    # torch's DDP reduces its first iteration in one bucket and then builds its buckets
+    # in the order gradients arrived: each round's DDP is new, so skip its first step.
+    assert {r["size"] for r in later} == {2, 3}
+    for r in later:
+        # 4 parameters, a bucket each (bucket_cap_mb=1e-6); the micro-batches before
+        # the last accumulate (no_sync) and launch none: one synchronised backward's.
+        assert r["order"].count("L") == 4, r
+        assert overlaps(r["order"]), r
 
 
 def test_outside_elasticrun_ddp_is_the_module_and_no_group_is_installed():

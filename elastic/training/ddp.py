@@ -59,6 +59,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.__dict__["_ddp"] = None     # not a submodule: state_dict keys stay module.*
         self.__dict__["process_group"] = None
         self.rebinds = 0           # rounds whose DDP replaced an earlier one's (tests; logs)
+        self._sync_backward = True
 
     # -- the round's DDP --------------------------------------------------------------
     def _group(self):
@@ -107,7 +108,19 @@ class DistributedDataParallel(torch.nn.Module):
     # -- torch's DDP interface ---------------------------------------------------------
     def forward(self, *args, **kwargs):
         ddp = self.ddp
-        return ddp(*args, **kwargs) if ddp is not None else self.module(*args, **kwargs)
+        if ddp is None:
+            return self.module(*args, **kwargs)
+        if self._sync_backward:
+            return ddp(*args, **kwargs)
+        with ddp.no_sync():
+            return ddp(*args, **kwargs)
+
+    def sync_backward(self, sync: bool) -> None:
+        """Whether the next forward's backward reduces gradients (False: it accumulates,
+        as under ``no_sync()``). torch's DDP decides at the forward pass, so a
+        micro-batch's ``backward`` would be too late: ``global_batches`` calls this
+        before each micro-batch."""
+        self._sync_backward = sync
 
     @contextlib.contextmanager
     def no_sync(self):

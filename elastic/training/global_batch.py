@@ -105,9 +105,21 @@ class GlobalBatch:
         chunks = [indices[i:i + step] for i in range(0, len(indices), step)]
         self.micro_batches = [MicroBatch(c, scale, i == len(chunks) - 1, optimizer)
                               for i, c in enumerate(chunks)]
+        self._owner = optimizer
 
     def __iter__(self):
-        return iter(self.micro_batches)
+        # torch's DDP decides at the forward pass whether the backward reduces, so an
+        # elastic.DDP owner is told before each micro-batch's forward (and reset after).
+        sync_backward = getattr(self._owner, "sync_backward", None)
+        if sync_backward is None:
+            yield from self.micro_batches
+            return
+        try:
+            for micro in self.micro_batches:
+                sync_backward(micro.last)
+                yield micro
+        finally:
+            sync_backward(True)
 
     def __len__(self):
         return len(self.micro_batches)

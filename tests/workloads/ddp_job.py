@@ -1,8 +1,8 @@
 """A torchrun-style DDP script made elastic: the workload of tests/test_torch_distributed.py.
 
 Trains a float64 model wrapped in elastic.DDP (one bucket per parameter, so
-buckets overlap backward) in constant-global-batch mode: every step trains the
-same G samples at any world size, in micro-batches that accumulate under
+buckets overlap backward; DDP_BUCKET_MB overrides the cap) in constant-global-batch
+mode: every step trains the same G samples at any world size, in micro-batches that accumulate under
 no_sync(). At the first step of every round it checks the torchrun contract
 (default group, environment, dist.* collectives, new_group) and that a
 collective on the previous round's group raises WorkersDepartedError.
@@ -11,7 +11,10 @@ Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step, with the contract
 checks), final.<rank>.json (parameters, optimizer digest, global batches).
 DDP_HOLD="3,5" keeps committing at those steps until the membership changes;
 DDP_KILL=step:rank SIGKILLs that rank once, mid-backward; DDP_HOOK=fp16 registers
-torch's fp16 compression hook.
+torch's fp16 compression hook, wrapped so that each step's line also carries its
+"order": "L" when DDP launches a bucket's reduction, "G" when the first layer's
+weight (whose gradient autograd computes last) gets its gradient. An "L" before
+the last "G" is a bucket reduced while backward was still computing: overlap.
 """
 
 import json
@@ -61,6 +64,15 @@ def check_contract(previous):
             "ended_group": ended}
 
 
+def launch_recorder(hook, order):
+    """The comm hook, noting in ``order`` each bucket launch (DDP calls the hook then)."""
+    def launch(state, bucket):
+        order.append("L")
+        return hook(state, bucket)
+    launch.__name__ = hook.__name__
+    return launch
+
+
 def main():
     elastic.init()
     gen = torch.Generator().manual_seed(0)
@@ -69,10 +81,12 @@ def main():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                               torch.nn.Linear(8, 1)).double()
-    model = elastic.DDP(net, bucket_cap_mb=1e-4)       # a bucket per parameter
+    model = elastic.DDP(net, bucket_cap_mb=float(os.environ.get("DDP_BUCKET_MB", "1e-6")))
+    order = []                                          # this step's "L"/"G" events
     if os.environ.get("DDP_HOOK") == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        model.register_comm_hook(None, launch_recorder(default_hooks.fp16_compress_hook, order))
+        net[0].weight.register_hook(lambda grad: order.append("G"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=1,
                                      global_batch_size=GLOBAL_BATCH)
@@ -89,6 +103,7 @@ def main():
             record["contract"] = check_contract(seen["group"])
             seen["round"], seen["group"] = round_id, dist.group.WORLD
         optimizer.zero_grad()
+        order.clear()
         for micro in batch:
             loss = torch.nn.functional.mse_loss(model(x[micro.indices]), y[micro.indices])
             if KILL and micro.last and KILL == f"{state.step + 1}:{elastic.rank()}" and \
@@ -101,6 +116,7 @@ def main():
         state.step += 1
         state.batches.append(batch.global_indices)
         record["rebinds"] = model.rebinds
+        record["order"] = "".join(order)
         log.write(json.dumps(record) + "\n")
         hold_or_commit(state, state.step, HOLDS, OUT)
 
