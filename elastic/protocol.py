@@ -17,12 +17,25 @@ network unpickles.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import hmac
 import os
 from collections.abc import Mapping
 from typing import Any
+
+# The round's values in the store, typed (Member, RoundPlan, Assembled), and the member
+# ids' short form: they are the contract, so they are named here with the rest of it.
+from elastic.messages import (
+    MEMBERSHIP_FIELDS,
+    Assembled,
+    EncodedIds,
+    Member,
+    MessageError,
+    RoundPlan,
+    decode_ids,
+    encode_ids,
+    ids_contain,
+)
 
 # -- environment the driver sets for its workers -------------------------------------------
 ENV_ADDR = "ELASTIC_STORE_ADDR"              # the driver's TCPStore
@@ -54,7 +67,6 @@ ENV_CHECKPOINT_TEST_DELAY = "ELASTIC_CHECKPOINT_TEST_DELAY"
 ENV_JOBS_DIR = "ELASTIC_JOBS_DIR"            # where drivers leave job files for elasticctl
 
 # -- membership <-> environment ---------------------------------------------------------------
-MEMBERSHIP_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
 MEMBERSHIP_PREFIXES = ("ELASTIC", "HOROVOD")   # HOROVOD_* for scripts ported from Horovod
 ENV_RANK = "ELASTIC_RANK"
 ENV_SIZE = "ELASTIC_SIZE"
@@ -64,7 +76,7 @@ ENV_HOSTNAME = "ELASTIC_HOSTNAME"
 def membership_env(values: Mapping[str, Any], hostname: str) -> dict[str, str]:
     """The ELASTIC_* and HOROVOD_* variables for one membership.
 
-    ``values`` maps each of MEMBERSHIP_FIELDS to an int (a plan's member dict,
+    ``values`` maps each of MEMBERSHIP_FIELDS to an int (``Member.to_json()``,
     or a Membership's fields). The driver sets them before a worker's first
     round; the worker sets them again once it joins its first round, so they
     always describe the worker's first round.
@@ -113,38 +125,6 @@ def backstop_pause(size: int) -> float:
     return max(HEAL_EVERY_S, size / BACKSTOP_LOOKS_PER_S)
 
 
-def encode_ids(ids) -> list:
-    """Worker ids as a short list: decimal ids as sorted [first, count] runs of
-    consecutive ids (a job's members are mostly consecutive), any other id as
-    itself."""
-    runs, names = [], []
-    for wid in ids:
-        (runs if str(wid).isdecimal() else names).append(str(wid))
-    out = []
-    for n in sorted({int(i) for i in runs}):
-        if out and out[-1][0] + out[-1][1] == n:
-            out[-1][1] += 1
-        else:
-            out.append([n, 1])
-    return out + sorted(set(names))
-
-
-def ids_contain(encoded, worker_id) -> bool:
-    """Whether the list of encode_ids holds ``worker_id``."""
-    wid = str(worker_id)
-    if not wid.isdecimal():
-        return wid in encoded
-    n = int(wid)
-    runs = [r for r in encoded if isinstance(r, list)]
-    i = bisect.bisect_right([r[0] for r in runs], n) - 1
-    return i >= 0 and n < runs[i][0] + runs[i][1]
-
-
-def decode_ids(encoded) -> list:
-    return [str(r[0] + k) if isinstance(r, list) else r
-            for r in encoded for k in (range(r[1]) if isinstance(r, list) else (0,))]
-
-
 # The store connection itself (sealed values, chunked reads, doorbells) lives in
 # control_store.py; its names are part of the contract, so they are named here too.
 from elastic.control_store import (  # noqa: E402
@@ -162,7 +142,9 @@ from elastic.control_store import (  # noqa: E402
 )
 from elastic.store_link import RECONNECT_WITHIN_S, driver_refuses  # noqa: E402
 
-__all__ = ["ENV_SECRET", "ENV_SECRET_FD", "ENV_SECRET_FILE", "ControlError", "ControlStore", "Doorbell",
+__all__ = ["MEMBERSHIP_FIELDS", "Assembled", "EncodedIds", "Member", "MessageError", "RoundPlan",
+           "decode_ids", "encode_ids", "ids_contain",
+           "ENV_SECRET", "ENV_SECRET_FD", "ENV_SECRET_FILE", "ControlError", "ControlStore", "Doorbell",
            "connect", "keepalive_on_accepted", "listen", "open_link", "read_secret_from_env",
            "RECONNECT_WITHIN_S", "driver_refuses"]
 

@@ -2,7 +2,7 @@
 
 import json
 
-from elastic.protocol import ENV_CHECKPOINT_DIR, Keys
+from elastic.protocol import ENV_CHECKPOINT_DIR, Keys, Member
 from elastic.runner.adoption import (
     Adoption,
     Strays,
@@ -36,7 +36,7 @@ def test_with_floor_counts_the_adopted_as_holders_of_the_floor_round():
     job = with_floor(Job(), 5, {"1", "0"})
     assert job.round_id == 5 and list(job.rounds[5]) == ["0", "1"]
     assert "0" in job.rounds[5] and job.admitted("1")
-    running = Job(round_id=2, members=({"worker_id": "0"},))
+    running = Job(round_id=2, members=(Member("0", "a", 0, 1, 0, 1, 0, 1),))
     assert with_floor(running, 9, {"0"}) is running     # after its first round: untouched
 
 
@@ -126,7 +126,7 @@ def test_the_adopted_round_re_forms_from_its_workers():
                   liveness_checked=True)
     published = [a for a in decide(facts, 12.0) if isinstance(a, Publish)]
     assert len(published) == 1 and published[0].round_id == 5
-    assert {m["worker_id"] for m in published[0].members} == {"0", "1"}
+    assert {m.worker_id for m in published[0].members} == {"0", "1"}
 
 
 def test_an_announced_worker_keeps_the_window_open_while_its_heartbeat_moves():

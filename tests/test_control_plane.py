@@ -69,8 +69,8 @@ def _driver_and_worker(n):
     secret = secrets.token_hex(16)
     plane = DriverControl({"localhost": n}, {"localhost"}, secret)
     worker = ControlStore(control.connect("127.0.0.1", plane.port, 30), secret)
-    members = [{"worker_id": str(i), "host": "localhost", "rank": i, "size": n, "local_rank": i,
-                "local_size": n, "cross_rank": 0, "cross_size": 1} for i in range(n)]
+    members = [control.Member(str(i), "localhost", rank=i, size=n, local_rank=i, local_size=n,
+                              cross_rank=0, cross_size=1) for i in range(n)]
     return plane, worker, members
 
 
@@ -98,9 +98,11 @@ def test_the_driver_says_assembled_once_every_member_arrived():
     plane, worker, members = _driver_and_worker(3)
     plane.publish(1, members)
     assert eventually(lambda: worker.get(Keys.LATEST_ROUND), {"round": 1}) == {"round": 1}
-    header = worker.get(Keys.plan(1))
-    assert header["size"] == 3 and control.ids_contain(header["ids"], "2")
-    assert worker.get(Keys.member(1, "1")) == members[1]
+    # The wire format, as JSON (the typed values of protocol.py do not change it).
+    assert worker.get(Keys.plan(1)) == {"round": 1, "size": 3, "ids": [[0, 3]]}
+    assert worker.get(Keys.member(1, "1")) == {
+        "worker_id": "1", "host": "localhost", "rank": 1, "size": 3, "local_rank": 1,
+        "local_size": 3, "cross_rank": 0, "cross_size": 1}
     assert plane.assembly(1) == 0
     _arrive(worker, 1, "0")
     _arrive(worker, 1, "2")
@@ -138,7 +140,7 @@ def test_keys_of_old_rounds_and_reaped_workers_leave_the_store():
     for r in range(1, ROUND_KEYS_KEPT + 3):
         plane.publish(r, members)
         for m in members:
-            _arrive(worker, r, m["worker_id"])
+            _arrive(worker, r, m.worker_id)
         assert eventually(lambda r=r: plane.assembly(r), 2) == 2
     worker.put(Keys.heartbeat("1"), {"beat": 1})
     plane.worker_gone("1")

@@ -8,6 +8,7 @@ records (no processes, no store) and folds them into the job with ``evolve``.
 import copy
 import dataclasses
 
+from elastic.protocol import Member
 from elastic.runner.decisions import (
     Abort,
     Evict,
@@ -96,6 +97,11 @@ def _replace(view, **changes):
     return dataclasses.replace(view, **changes)
 
 
+def member(worker_id, host, rank=0, size=1):
+    """A round member where only its id and host matter (local and cross ranks as alone)."""
+    return Member(worker_id, host, rank, size, 0, 1, 0, 1)
+
+
 def kinds(actions):
     return [type(a).__name__ for a in actions]
 
@@ -106,12 +112,12 @@ def test_start_spawns_a_worker_per_slot_with_its_tentative_membership():
     world = World({"a": 2, "b": 1}, Limits(np=3, min_np=1))
     actions = world.tick(0.0)
     assert actions == [
-        Spawn("0", "a", 0, {"worker_id": "0", "host": "a", "rank": 0, "size": 3, "local_rank": 0,
-                            "local_size": 2, "cross_rank": 0, "cross_size": 2}),
-        Spawn("1", "a", 1, {"worker_id": "1", "host": "a", "rank": 1, "size": 3, "local_rank": 1,
-                            "local_size": 2, "cross_rank": 0, "cross_size": 1}),
-        Spawn("2", "b", 0, {"worker_id": "2", "host": "b", "rank": 2, "size": 3, "local_rank": 0,
-                            "local_size": 1, "cross_rank": 1, "cross_size": 2}),
+        Spawn("0", "a", 0, Member("0", "a", rank=0, size=3, local_rank=0,
+                                   local_size=2, cross_rank=0, cross_size=2)),
+        Spawn("1", "a", 1, Member("1", "a", rank=1, size=3, local_rank=1,
+                                   local_size=2, cross_rank=0, cross_size=1)),
+        Spawn("2", "b", 0, Member("2", "b", rank=2, size=3, local_rank=0,
+                                   local_size=1, cross_rank=1, cross_size=2)),
     ]
     assert world.job.phase is Phase.STARTING and world.job.next_worker == 3
 
@@ -125,7 +131,7 @@ def test_start_waits_for_workers_importing_torch_then_publishes_round_1():
     world.ready("1")
     (publish,) = world.tick(3.0)
     assert publish.round_id == 1 and publish.change == "start"
-    assert [m["worker_id"] for m in publish.members] == ["0", "1"]
+    assert [m.worker_id for m in publish.members] == ["0", "1"]
     assert world.job.phase is Phase.RUNNING and world.job.host_order == ("a",)
 
 
@@ -174,7 +180,7 @@ def test_growth_spawns_newcomers_then_batches_them_into_one_new_round():
     world.hosts.update({"a": 2, "b": 2}, 2.0)
     actions = world.tick(2.0)
     assert kinds(actions) == ["Spawn", "Spawn"]
-    assert [(a.host, a.assignment["rank"]) for a in actions] == [("b", 2), ("b", 3)]
+    assert [(a.host, a.assignment.rank) for a in actions] == [("b", 2), ("b", 3)]
     world.ready("2")
     assert world.tick(3.0) == []                      # worker 3 still imports torch
     world.ready("3")
@@ -227,7 +233,7 @@ def test_a_crash_blacklists_the_host_aborts_the_round_and_reforms_with_the_survi
                            Abort(1), Reform()]
     publish = actions[4]
     assert isinstance(publish, Publish) and publish.change == "-1 on b"
-    assert [m["worker_id"] for m in publish.members] == ["0"]
+    assert [m.worker_id for m in publish.members] == ["0"]
     assert world.job.failed_exits == {"1": 1} and world.job.last_failure.startswith("worker 1")
 
 
@@ -239,7 +245,7 @@ def test_a_crash_stops_the_other_workers_on_the_same_host():
     assert actions[:5] == [RecordExit("0", -9, final=False),
                            HostFailed("0", "a", "worker 0 on a exited with code -9"),
                            Stop("1"), Abort(1), Reform()]
-    assert [m["worker_id"] for m in actions[5].members] == ["2"]
+    assert [m.worker_id for m in actions[5].members] == ["2"]
 
 
 def test_after_a_crash_too_few_workers_is_a_shortage_that_fails_after_the_timeout():
@@ -269,9 +275,9 @@ def test_with_a_cooldown_a_blacklisted_host_is_waited_for():
     world.exit("0", 3)
     assert Fail not in map(type, world.tick(1.0))      # the host returns at 11 s
     assert world.tick(5.0) == []
-    assert world.tick(12.0) == [Spawn("1", "a", 0, {
-        "worker_id": "1", "host": "a", "rank": 0, "size": 1, "local_rank": 0, "local_size": 1,
-        "cross_rank": 0, "cross_size": 1})]
+    assert world.tick(12.0) == [Spawn("1", "a", 0, Member(
+        "1", "a", rank=0, size=1, local_rank=0, local_size=1,
+        cross_rank=0, cross_size=1))]
 
 
 def test_when_no_round_member_is_left_the_job_fails():
@@ -391,7 +397,7 @@ def test_a_lower_max_np_publishes_a_smaller_round_and_a_higher_one_spawns_again(
     world.running()
     world.limits = dataclasses.replace(world.limits, max_np=2)
     (publish,) = world.tick(2.0)                       # b's workers leave at their next commit
-    assert publish.round_id == 2 and [m["host"] for m in publish.members] == ["a", "a"]
+    assert publish.round_id == 2 and [m.host for m in publish.members] == ["a", "a"]
     world.exit("2", 0)
     world.exit("3", 0)
     assert world.tick(3.0) == [Removed("2", "b"), Removed("3", "b")]
@@ -408,7 +414,7 @@ def test_a_worker_a_round_left_out_is_not_planned_again_while_it_leaves():
     world.running()
     world.limits = dataclasses.replace(world.limits, max_np=1)
     (publish,) = world.tick(2.0)                       # worker 1 (on b) is left out: it leaves
-    assert [m["worker_id"] for m in publish.members] == ["0"]
+    assert [m.worker_id for m in publish.members] == ["0"]
     world.limits = dataclasses.replace(world.limits, max_np=2)
     assert world.tick(3.0) == []                       # not taken back while its process lives
     world.exit("1", 0)
@@ -475,10 +481,8 @@ def test_decide_changes_none_of_its_facts():
 
 
 def test_evolve_tracks_rounds_resets_and_host_order():
-    job = evolve(Job(), Publish(1, ({"worker_id": "0", "host": "a"},
-                                    {"worker_id": "1", "host": "b"}), "start"))
-    job = evolve(job, Publish(2, ({"worker_id": "1", "host": "b"},
-                                  {"worker_id": "2", "host": "c"}), "-1 on a, +1 on c"))
+    job = evolve(Job(), Publish(1, (member("0", "a"), member("1", "b")), "start"))
+    job = evolve(job, Publish(2, (member("1", "b"), member("2", "c")), "-1 on a, +1 on c"))
     assert job.round_id == 2 and job.resets == 1 and job.host_order == ("b", "c")
     assert job.rounds == {1: ("0", "1"), 2: ("1", "2")}
     assert evolve(job, Reform()).phase is Phase.REFORMING
@@ -513,7 +517,7 @@ def test_a_worker_that_got_sigterm_is_preempted_not_blamed_and_its_host_held_out
     assert kinds(actions)[:2] == ["Preempted", "Reform"], actions
     assert actions[0] == Preempted("1", "b", 15, 2.0) and "b" in world.job.preempted
     publish = actions[-1]
-    assert isinstance(publish, Publish) and [m["host"] for m in publish.members] == ["a"]
+    assert isinstance(publish, Publish) and [m.host for m in publish.members] == ["a"]
     world.exit("1", 0)
     world.exits[-1] = dataclasses.replace(world.exits[-1], leaving={"signal": 15, "commit": 7})
     actions = world.tick(3.0)
@@ -554,7 +558,7 @@ def test_bookkeeping_stays_bounded_over_1000_publishes_with_aborts_and_failures(
         world.hosts.returning(now)
         world.joined = rng.choice([None, None, 0])   # now and then a round never assembles
         if rng.random() < 0.5 and world.job.members:
-            victim = rng.choice(world.job.members)["worker_id"]
+            victim = rng.choice(world.job.members).worker_id
             if victim in world.workers:
                 world.exit(victim, rng.choice([1, -9]))
                 failures += 1
@@ -715,7 +719,7 @@ def _simulate(seed, steps=120):
         if any(isinstance(a, Publish) for a in actions):
             # What lets reconcile skip planning: a round, re-planned as it stands, is itself.
             job = world.job
-            seats = [Candidate(m["worker_id"], m["host"], world.workers[m["worker_id"]].slot)
+            seats = [Candidate(m.worker_id, m.host, world.workers[m.worker_id].slot)
                      for m in job.members]
             assert plan_round(seats, list(job.host_order), limits.max_np) == list(job.members)
         if any(isinstance(a, Spawn) for a in actions):

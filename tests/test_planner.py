@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from elastic.protocol import Member
 from elastic.runner.planner import (
     Candidate,
     assign,
@@ -24,11 +25,11 @@ def cands(*specs):
 
 
 def ids(members):
-    return [m["worker_id"] for m in members]
+    return [m.worker_id for m in members]
 
 
 def by_id(members):
-    return {m["worker_id"]: m for m in members}
+    return {m.worker_id: m for m in members}
 
 
 # -- Candidate ----------------------------------------------------------------------------
@@ -65,8 +66,8 @@ def test_order_hosts_does_not_mutate_its_inputs():
 def test_first_round_follows_candidate_host_order_then_slot():
     members = plan_round(cands("a:0", "a:1", "b:0", "b:1"), [])
     assert ids(members) == ["a0", "a1", "b0", "b1"]
-    assert [m["rank"] for m in members] == [0, 1, 2, 3]
-    assert all(m["size"] == 4 for m in members)
+    assert [m.rank for m in members] == [0, 1, 2, 3]
+    assert all(m.size == 4 for m in members)
 
 
 def test_rank_order_within_a_host_is_by_slot_not_by_candidate_order():
@@ -94,7 +95,7 @@ def test_rank0_is_slot0_of_the_oldest_surviving_host():
     # a (the oldest) left; b is now the oldest survivor.
     members = plan_round(cands("c:1", "c:0", "b:1", "b:0", "d:0"), ["a", "b", "c"])
     rank0 = members[0]
-    assert (rank0["host"], rank0["worker_id"], rank0["rank"]) == ("b", "b0", 0)
+    assert (rank0.host, rank0.worker_id, rank0.rank) == ("b", "b0", 0)
     assert ids(members) == ["b0", "b1", "c0", "c1", "d0"]
 
 
@@ -113,7 +114,7 @@ def test_host_that_disappears_and_returns_goes_last():
     back = [Candidate("a9", "a", 0), Candidate("a10", "a", 1)] + cands("b:0", "c:0")
     round3 = plan_round(back, ["b", "c"])
     assert ids(round3) == ["b0", "c0", "a9", "a10"]
-    assert round3[0]["host"] == "b"
+    assert round3[0].host == "b"
 
 
 def test_host_order_entries_without_candidates_are_ignored():
@@ -137,7 +138,7 @@ def test_empty_round():
 def test_max_np_drops_the_newest_hosts_highest_slots():
     members = plan_round(cands("a:0", "a:1", "b:0", "b:1", "b:2"), ["a", "b"], max_np=3)
     assert ids(members) == ["a0", "a1", "b0"]
-    assert all(m["size"] == 3 for m in members)
+    assert all(m.size == 3 for m in members)
 
 
 def test_max_np_drops_new_hosts_before_survivors():
@@ -159,9 +160,9 @@ def test_max_np_at_or_above_count_keeps_everyone(max_np):
 
 def test_max_np_recomputes_local_and_cross_sizes_after_truncation():
     members = by_id(plan_round(cands("a:0", "a:1", "b:0", "b:1"), ["a", "b"], max_np=3))
-    assert members["b0"]["local_size"] == 1
-    assert members["a1"]["cross_size"] == 1     # only a has a local rank 1 now
-    assert members["a0"]["cross_size"] == 2
+    assert members["b0"].local_size == 1
+    assert members["a1"].cross_size == 1     # only a has a local rank 1 now
+    assert members["a0"].cross_size == 2
 
 
 # -- assign: local and cross ranks --------------------------------------------------------------
@@ -169,14 +170,14 @@ def test_max_np_recomputes_local_and_cross_sizes_after_truncation():
 def test_local_rank_and_local_size_per_host():
     members = by_id(plan_round(cands("a:0", "a:1", "a:2", "b:0", "c:0", "c:1"), ["a", "b", "c"]))
     expect = {"a0": (0, 3), "a1": (1, 3), "a2": (2, 3), "b0": (0, 1), "c0": (0, 2), "c1": (1, 2)}
-    assert {w: (m["local_rank"], m["local_size"]) for w, m in members.items()} == expect
+    assert {w: (m.local_rank, m.local_size) for w, m in members.items()} == expect
 
 
 def test_local_rank_is_position_on_host_not_slot_number():
     # Slot 0 of a has gone (e.g. its worker was removed): local ranks stay dense.
     members = by_id(plan_round(cands("a:1", "a:3"), ["a"]))
-    assert (members["a1"]["local_rank"], members["a3"]["local_rank"]) == (0, 1)
-    assert members["a3"]["local_size"] == 2
+    assert (members["a1"].local_rank, members["a3"].local_rank) == (0, 1)
+    assert members["a3"].local_size == 2
 
 
 def test_cross_rank_and_cross_size_count_hosts_having_that_local_rank():
@@ -190,26 +191,26 @@ def test_cross_rank_and_cross_size_count_hosts_having_that_local_rank():
         # local rank 2 exists on c only
         "c2": (0, 1),
     }
-    assert {w: (m["cross_rank"], m["cross_size"]) for w, m in members.items()} == expect
+    assert {w: (m.cross_rank, m.cross_size) for w, m in members.items()} == expect
 
 
 def test_cross_rank_follows_host_order():
     members = by_id(plan_round(cands("a:0", "a:1", "b:0", "b:1"), ["b", "a"]))
-    assert members["b0"]["cross_rank"] == 0 and members["a0"]["cross_rank"] == 1
-    assert members["b1"]["cross_rank"] == 0 and members["a1"]["cross_rank"] == 1
-    assert all(m["cross_size"] == 2 for m in members.values())
+    assert members["b0"].cross_rank == 0 and members["a0"].cross_rank == 1
+    assert members["b1"].cross_rank == 0 and members["a1"].cross_rank == 1
+    assert all(m.cross_size == 2 for m in members.values())
 
 
 def test_assign_keeps_the_given_order_and_fields():
     ordered = [Candidate("x", "h2", 5), Candidate("y", "h1", 0), Candidate("z", "h2", 1)]
     members = assign(ordered)
     assert members == [
-        {"worker_id": "x", "host": "h2", "rank": 0, "size": 3, "local_rank": 0,
-         "local_size": 2, "cross_rank": 0, "cross_size": 2},
-        {"worker_id": "y", "host": "h1", "rank": 1, "size": 3, "local_rank": 0,
-         "local_size": 1, "cross_rank": 1, "cross_size": 2},
-        {"worker_id": "z", "host": "h2", "rank": 2, "size": 3, "local_rank": 1,
-         "local_size": 2, "cross_rank": 0, "cross_size": 1},
+        Member("x", "h2", rank=0, size=3, local_rank=0,
+               local_size=2, cross_rank=0, cross_size=2),
+        Member("y", "h1", rank=1, size=3, local_rank=0,
+               local_size=1, cross_rank=1, cross_size=2),
+        Member("z", "h2", rank=2, size=3, local_rank=1,
+               local_size=2, cross_rank=0, cross_size=1),
     ]
 
 
@@ -219,13 +220,13 @@ def test_assign_empty():
 
 def test_ranks_are_a_permutation_and_consistent():
     members = plan_round(cands("a:0", "b:0", "b:1", "c:0", "c:1", "c:2", "d:0"), ["c", "a"])
-    assert sorted(m["rank"] for m in members) == list(range(len(members)))
+    assert sorted(m.rank for m in members) == list(range(len(members)))
     for m in members:
-        same_host = [o for o in members if o["host"] == m["host"]]
-        assert m["local_size"] == len(same_host)
-        same_local = [o for o in members if o["local_rank"] == m["local_rank"]]
-        assert m["cross_size"] == len(same_local)
-        assert 0 <= m["cross_rank"] < m["cross_size"]
+        same_host = [o for o in members if o.host == m.host]
+        assert m.local_size == len(same_host)
+        same_local = [o for o in members if o.local_rank == m.local_rank]
+        assert m.cross_size == len(same_local)
+        assert 0 <= m.cross_rank < m.cross_size
 
 
 # -- same_membership -----------------------------------------------------------------------------
@@ -263,8 +264,8 @@ def test_describe_change_only_removals():
 
 
 def test_describe_change_replacement_on_the_same_host():
-    before = [{"worker_id": "1", "host": "h"}]
-    after = [{"worker_id": "2", "host": "h"}]
+    before = plan_round([Candidate("1", "h", 0)], [])
+    after = plan_round([Candidate("2", "h", 0)], [])
     assert describe_change(before, after) == "+1 on h, -1 on h"
 
 
@@ -293,11 +294,11 @@ def reference_assign(ordered):
     for rank, c in enumerate(ordered):
         local_rank = on_host[c.host].index(c.worker_id)
         peers = [h for h in on_host if len(on_host[h]) > local_rank]
-        members.append({
-            "worker_id": c.worker_id, "host": c.host, "rank": rank, "size": len(ordered),
-            "local_rank": local_rank, "local_size": len(on_host[c.host]),
-            "cross_rank": peers.index(c.host), "cross_size": len(peers),
-        })
+        members.append(Member(
+            c.worker_id, c.host, rank=rank, size=len(ordered),
+            local_rank=local_rank, local_size=len(on_host[c.host]),
+            cross_rank=peers.index(c.host), cross_size=len(peers),
+        ))
     return members
 
 

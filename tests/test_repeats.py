@@ -143,7 +143,7 @@ def test_an_exception_on_whichever_worker_runs_rank_0_stops_the_job_at_the_secon
     actions = world.tick(3.0)
     assert "HostFailed" in kinds(actions) and "Fail" not in kinds(actions)
     publish = next(a for a in actions if isinstance(a, Publish))
-    assert publish.members[0]["worker_id"] == "1"    # rank 0 now runs on b
+    assert publish.members[0].worker_id == "1"    # rank 0 now runs on b
     world.exit("1", 1)
     actions = world.tick(4.0)
     assert isinstance(actions[-1], Fail) and actions[-1].reason.startswith(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import elastic
+from elastic.protocol import Member
 from elastic.runner.console import Console
 from tests.jobs import DEADLINE_S, ELASTICRUN, REPO
 
@@ -115,7 +116,7 @@ def test_launch_error_carries_the_root_cause(tmp_path):
 
 def test_without_an_error_file_the_root_cause_is_the_stderr_tail(tmp_path, capsys):
     console = Console(error_dir=str(tmp_path), quiet=True)
-    console.set_ranks([{"worker_id": "7", "rank": 3}])
+    console.set_ranks([Member("7", "node-2", 3, 4, 0, 1, 3, 4)])
     console.write_lines("7", "stderr", [f"line {i}" for i in range(30)])
     console.worker_failed("7", "node-2", "worker 7 on node-2 exited with code -9 (SIGKILL)")
     console.worker_failed("8", "node-3", "worker 8 on node-3 exited with code 1")

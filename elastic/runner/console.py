@@ -62,7 +62,7 @@ class Console(OutputSink):
 
     def set_ranks(self, members):
         super().set_ranks(members)
-        self._round_rank.update({m["worker_id"]: m["rank"] for m in members})
+        self._round_rank.update({m.worker_id: m.rank for m in members})
 
     def worker_failed(self, worker_id, host, reason):
         """A worker failed (its host is blamed); the first one is the root cause."""

@@ -129,11 +129,11 @@ class DriverControl:
         that sees the header finds its own entry there. Each is kept until its member
         arrives (it has read its entry then) or the round is over. An entry carries the
         round's size (planner.plan_round), so a member of a big round reads only it."""
-        self.store.put_many({Keys.member(round_id, m["worker_id"]): m for m in members},
+        self.store.put_many({Keys.member(round_id, m.worker_id): m.to_json() for m in members},
                             keep=True)
-        ids = [m["worker_id"] for m in members]
-        self.store.put(Keys.plan(round_id), {"round": round_id, "size": len(members),
-                                             "ids": control.encode_ids(ids)}, keep=True)
+        ids = [m.worker_id for m in members]
+        plan = control.RoundPlan.of(round_id, ids)
+        self.store.put(Keys.plan(round_id), plan.to_json(), keep=True)
         self.store.put(Keys.LATEST_ROUND, {"round": round_id}, keep=True)
         for old in list(self._assembling):
             self._settle(old, False)       # replaced (the driver aborted it already)
@@ -178,7 +178,7 @@ class DriverControl:
         _, ids = self._assembling.pop(round_id)
         self._bells.pop(round_id, None)
         self._full_looks.pop(("arrivals", round_id), None)
-        self.store.put(Keys.assembled(round_id), {"round": round_id, "ok": ok}, keep=True)
+        self.store.put(Keys.assembled(round_id), control.Assembled(round_id, ok).to_json(), keep=True)
         for wid in ids:
             self.store.forget(Keys.member(round_id, wid))
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from elastic.messages import Member
 from elastic.runner.hosts import HostManager
 from elastic.runner.repeats import GROUP_REPEAT_LIMIT, Repeats
 
@@ -53,7 +54,7 @@ class Job:
 
     phase: Phase = Phase.STARTING
     round_id: int = 0
-    members: tuple = ()                  # member dicts of the current round (planner.assign)
+    members: tuple[Member, ...] = ()     # the current round's members (planner.assign)
     rounds: Mapping = field(default_factory=dict)    # round id -> MemberIds, the last ROUNDS_KEPT
     aborted: frozenset = frozenset()     # aborted rounds among those kept
     resets: int = 0
@@ -82,7 +83,7 @@ class Job:
     @functools.cached_property
     def member_set(self) -> frozenset:
         """The current round's worker ids (computed once per Job: jobs never change)."""
-        return frozenset(m["worker_id"] for m in self.members)
+        return frozenset(m.worker_id for m in self.members)
 
     @functools.cached_property
     def host_rank(self) -> dict:
@@ -183,7 +184,7 @@ class Spawn:
     worker_id: str
     host: str
     slot: int
-    assignment: dict          # its tentative member dict: the ELASTIC_* env it starts with
+    assignment: Member        # its tentative place: the ELASTIC_* env it starts with
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class Reform:
 @dataclass(frozen=True)
 class Publish:
     round_id: int
-    members: tuple
+    members: tuple[Member, ...]
     change: str               # "start" or describe_change's summary
 
 
@@ -410,11 +411,11 @@ def _evolve_more(job, action):
 def _published(job, action):
     """The bookkeeping of a new round: O(members), keeping the last ROUNDS_KEPT rounds."""
     members = action.members
-    ids = MemberIds(m["worker_id"] for m in members)
+    ids = MemberIds(m.worker_id for m in members)
     rounds = {rid: kept for rid, kept in job.rounds.items()
               if rid > action.round_id - ROUNDS_KEPT or rid == job.final_round}
     rounds[action.round_id] = ids
-    member_hosts = dict.fromkeys(m["host"] for m in members)
+    member_hosts = dict.fromkeys(m.host for m in members)
     before = set(job.host_order)
     order = [h for h in job.host_order if h in member_hosts]
     order += [h for h in member_hosts if h not in before]

@@ -439,7 +439,7 @@ class Driver:
                                                self.cfg.stall_timeout) + 120),
             control.ENV_HEARTBEAT_INTERVAL: str(self._beat_interval()),
         })
-        env.update(control.membership_env(assignment, host))
+        env.update(control.membership_env(assignment.to_json(), host))
         if control.ENV_COLLECTIVE_TIMEOUT not in os.environ:
             # The workers' own collective deadline is the backstop: the driver evicts first.
             env.setdefault(control.ENV_COLLECTIVE_TIMEOUT,

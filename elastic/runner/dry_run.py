@@ -33,8 +33,8 @@ def plan_lines(config):
     if len(members) >= config.np:
         lines.append(f"first round: {len(members)} workers")
         for m in members:
-            lines.append(f"  rank {m['rank']}: {m['host']} slot {m['worker_id'].rsplit('/', 1)[1]}"
-                         f" (local rank {m['local_rank']})")
+            lines.append(f"  rank {m.rank}: {m.host} slot {m.worker_id.rsplit('/', 1)[1]}"
+                         f" (local rank {m.local_rank})")
     else:
         lines.append(f"first round: waits up to --elastic-timeout {config.elastic_timeout:g} s "
                      f"for {config.np} slots ({len(members)} found)")

@@ -66,10 +66,11 @@ class RoundReporter:
     def round_started(self, round_id, members, change, now):
         self.flush()
         self.events.emit("round_started", round=round_id, size=len(members), change=change,
-                         members=[{k: m[k] for k in ("worker_id", "host", "rank")} for m in members])
+                         members=[{"worker_id": m.worker_id, "host": m.host, "rank": m.rank}
+                                  for m in members])
         line = f"round {round_id}: {len(members)} workers ({change or 'the same members again'})"
-        self._progress_wid = members[0]["worker_id"] if members else None
-        ids = {m["worker_id"] for m in members}
+        self._progress_wid = members[0].worker_id if members else None
+        ids = {m.worker_id for m in members}
         self._stragglers = {w: f for w, f in self._stragglers.items() if w in ids}
         self._last_progress = None
         if round_id == 1:

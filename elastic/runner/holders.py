@@ -44,11 +44,11 @@ def holds_state(worker_view):
 
 
 def may_form(tick, target):
-    """Whether the round ``target`` (member dicts) may form: some member holds the state,
+    """Whether the round ``target`` (its Members) may form: some member holds the state,
     or there is a checkpoint to resume from. Emits the warning, or the Fail."""
     job = tick.job
-    if job.commit < 0 or any(holds_state(tick.workers[m["worker_id"]]) for m in target
-                             if m["worker_id"] in tick.workers):
+    if job.commit < 0 or any(holds_state(tick.workers[m.worker_id]) for m in target
+                             if m.worker_id in tick.workers):
         if job.holderless_since is not None:
             tick.emit(MarkHolderless(None))
         return True

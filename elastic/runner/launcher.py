@@ -171,9 +171,9 @@ class OutputSink:
         self._lock = threading.Lock()
 
     def set_ranks(self, members):
-        """The ranks of a newly published round (member dicts with worker_id, rank)."""
+        """The ranks of a newly published round (protocol.Member)."""
         with self._lock:
-            self._rank_of = {m["worker_id"]: m["rank"] for m in members}
+            self._rank_of = {m.worker_id: m.rank for m in members}
 
     def tail(self, worker_id):
         """The last stderr lines of ``worker_id`` (text), oldest first."""

@@ -7,6 +7,8 @@ of the oldest surviving host.
 
 from dataclasses import dataclass
 
+from elastic.messages import Member  # not elastic.protocol: the pure core needs no torch
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -31,7 +33,7 @@ def order_hosts(host_order, hosts):
 
 
 def plan_round(candidates, host_order, max_np=None):
-    """Ordered member dicts for the next round.
+    """The next round's members (protocol.Member), in rank order.
 
     ``candidates`` are the ready workers the driver wants (anything with
     ``worker_id``, ``host`` and ``slot``: Candidates, WorkerViews); ``host_order`` the
@@ -73,21 +75,21 @@ def assign(ordered):
     for rank, c in enumerate(ordered):
         host, wid = c.host, c.worker_id
         local_rank = local_rank_of[host, wid]
-        append({"worker_id": wid, "host": host, "rank": rank, "size": size,
-                "local_rank": local_rank, "local_size": local_size[host],
-                "cross_rank": cross_rank_of[host, local_rank],
-                "cross_size": cross_size[local_rank]})
+        append(Member(worker_id=wid, host=host, rank=rank, size=size,
+                      local_rank=local_rank, local_size=local_size[host],
+                      cross_rank=cross_rank_of[host, local_rank],
+                      cross_size=cross_size[local_rank]))
     return members
 
 
 def same_membership(previous, members):
-    return [m["worker_id"] for m in previous] == [m["worker_id"] for m in members]
+    return [m.worker_id for m in previous] == [m.worker_id for m in members]
 
 
 def describe_change(previous, members):
     """A short human summary such as '+2 on node-3, -1 on node-1'."""
-    before = {m["worker_id"]: m["host"] for m in previous}
-    after = {m["worker_id"]: m["host"] for m in members}
+    before = {m.worker_id: m.host for m in previous}
+    after = {m.worker_id: m.host for m in members}
     parts = []
     for sign, ids, table in (("+", after.keys() - before.keys(), after),
                              ("-", before.keys() - after.keys(), before)):

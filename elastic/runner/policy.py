@@ -425,7 +425,7 @@ class _Tick:
             return
         if job.short_since is not None:
             self.emit(MarkShort(None))
-        removals = job.member_set - {m["worker_id"] for m in target}
+        removals = job.member_set - {m.worker_id for m in target}
         if not reforming and not removals and self.any_starting(
                 spawned_by=self.first_newcomer_start(target) + JOIN_TOGETHER_S):
             return   # batch newcomers spawned together that are still starting up
@@ -442,8 +442,8 @@ class _Tick:
     def first_newcomer_start(self, target):
         """When the earliest-started ready newcomer in ``target`` was spawned."""
         members = self.job.member_set
-        return min((self.workers[m["worker_id"]].started for m in target
-                    if m["worker_id"] not in members and m["worker_id"] in self.workers),
+        return min((self.workers[m.worker_id].started for m in target
+                    if m.worker_id not in members and m.worker_id in self.workers),
                    default=self.now)
 
     def ready_are_members(self, slots, ready):
@@ -455,7 +455,7 @@ class _Tick:
             return False
         place, last = job.host_rank, (-1, -1)
         for m in job.members:
-            w = workers.get(m["worker_id"])
+            w = workers.get(m.worker_id)
             if w is None or not w.ready or w.stopped or not 0 <= w.slot < slots.get(w.host, 0):
                 return False
             key = (place.get(w.host), w.slot)
@@ -486,12 +486,12 @@ class _Tick:
         if not fresh:
             return
         ids = [str(self.job.next_worker + i) for i in range(len(fresh))]
-        members = [m for m in self.job.members if m["worker_id"] in self.workers]
+        members = [m for m in self.job.members if m.worker_id in self.workers]
         tentative = plan_round(
-            [_Seat(m["worker_id"], m["host"], self.workers[m["worker_id"]].slot)
+            [_Seat(m.worker_id, m.host, self.workers[m.worker_id].slot)
              for m in members] + [_Seat(i, h, s) for i, (h, s) in zip(ids, fresh)],
             list(self.job.host_order))
-        by_id = {m["worker_id"]: m for m in tentative}
+        by_id = {m.worker_id: m for m in tentative}
         for wid, (host, slot) in zip(ids, fresh):
             self.emit(Spawn(wid, host, slot, by_id[wid]))
 

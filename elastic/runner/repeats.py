@@ -64,26 +64,26 @@ def describe_errors(members, errors):
     """'worker 1 on b (rank 1): <error>; ...' for the members that reported one."""
     parts = []
     for m in members:
-        text = errors.get(m["worker_id"])
+        text = errors.get(m.worker_id)
         if text is not None:
-            parts.append(f"worker {m['worker_id']} on {m['host']} (rank {m['rank']}): "
+            parts.append(f"worker {m.worker_id} on {m.host} (rank {m.rank}): "
                          f"{one_line(text) or 'no error text'}")
     return "; ".join(parts) or "no error text"
 
 
 def group_failure(repeats, round_id, members, errors, limit=GROUP_REPEAT_LIMIT):
-    """A round (``members``: its member dicts) failed without a process dying; ``errors``:
+    """A round (``members``: its Members) failed without a process dying; ``errors``:
     worker id -> error text of those that reported it. Returns (repeats, verdict) with
     verdict None (re-form and try again), a Blame or a StopJob."""
-    ids = frozenset(m["worker_id"] for m in members)
-    reporters = frozenset(m["host"] for m in members if m["worker_id"] in errors)
+    ids = frozenset(m.worker_id for m in members)
+    reporters = frozenset(m.host for m in members if m.worker_id in errors)
     failed = repeats.failed if ids == repeats.members else ()
     failed = (failed + (reporters,))[-limit:]
     repeats = replace(repeats, members=ids, failed=failed)
     if len(failed) < limit:
         return repeats, None
     repeats = replace(repeats, members=frozenset(), failed=())
-    hosts = list(dict.fromkeys(m["host"] for m in members))
+    hosts = list(dict.fromkeys(m.host for m in members))
     always = [h for h in hosts if all(h in f for f in failed)]
     text = describe_errors(members, errors)
     if always and len(always) < len(hosts):

@@ -102,8 +102,8 @@ class CheckpointProbe:
 
 def member_line(member, record, now):
     """One member of the current round: its place and its heartbeats' news."""
-    out = {"worker_id": member["worker_id"], "host": member["host"], "rank": member["rank"],
-           "local_rank": member.get("local_rank")}
+    out = {"worker_id": member.worker_id, "host": member.host, "rank": member.rank,
+           "local_rank": member.local_rank}
     if record is None:
         return dict(out, state="gone")
     live = record.liveness
@@ -122,7 +122,7 @@ def member_line(member, record, now):
 def snapshot(driver, board, probe, drained, now):
     """The whole status as JSON-able data (``driver``: runner/driver.Driver)."""
     job, cfg, limits = driver.job, driver.cfg, driver.limits
-    members = [member_line(m, driver.workers.get(m["worker_id"]), now) for m in job.members]
+    members = [member_line(m, driver.workers.get(m.worker_id), now) for m in job.members]
     in_round = job.member_set
     others = [{"worker_id": wid, "host": w.host,
                "state": "stopping" if w.stopped else ("ready" if w.ready else "starting")}

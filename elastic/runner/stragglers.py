@@ -85,12 +85,12 @@ def check(tick):
         return
     busy = {}
     for m in job.members:
-        w = tick.workers.get(m["worker_id"])
+        w = tick.workers.get(m.worker_id)
         if w is None or w.stopped or w.liveness is None:
             return                  # the round is changing: its timing says nothing
         value = busy_per_commit(w.liveness.timing, rule.window_s)
         if value is not None:
-            busy[m["worker_id"]] = value
+            busy[m.worker_id] = value
     for wid, times in find(busy, rule.ratio):
         if wid in job.stragglers:
             continue

@@ -59,16 +59,16 @@ def failed_round(tick, round_id):
     tick.emit(Abort(round_id))
     if isinstance(verdict, Blame):
         for host in verdict.hosts:
-            wid = next((m["worker_id"] for m in job.members
-                        if m["host"] == host and m["worker_id"] in errors),
-                       next(m["worker_id"] for m in job.members if m["host"] == host))
+            wid = next((m.worker_id for m in job.members
+                        if m.host == host and m.worker_id in errors),
+                       next(m.worker_id for m in job.members if m.host == host))
             tick.host_failed(wid, host, verdict.line)
 
 
 def rank_failed(tick, kind, worker_id, host, why):
     """A member of the current round failed (``kind``: "stall" or "exception"); stops the
     job (a Fail) when its rank failed the same way at the same commit on other hosts."""
-    rank = next((m["rank"] for m in tick.job.members if m["worker_id"] == worker_id), None)
+    rank = next((m.rank for m in tick.job.members if m.worker_id == worker_id), None)
     if rank is None or tick.job.commit < 0:
         return                    # not a member now, or no commit known to compare with
     advice = STALL_ADVICE if kind == "stall" else EXCEPTION_ADVICE

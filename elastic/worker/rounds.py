@@ -25,7 +25,7 @@ import torch
 
 from elastic import protocol as control
 from elastic.exceptions import ElasticError, WorkersDepartedError
-from elastic.protocol import Keys
+from elastic.protocol import Assembled, Keys, Member, RoundPlan
 from elastic.worker.groups import RetiredGroups, TrackedGroup, build_groups, placement_for
 from elastic.worker.membership import Membership
 from elastic.worker.signed_store import SignedStore
@@ -147,21 +147,23 @@ class RoundLifeCycle:
         A member reads only its own entry (it carries the size): reads do not grow with
         the job. The header (member id runs) only where the entry is missing ("not a
         member" or "not yet") and in small rounds, whose members see each other arrive."""
-        me = self.control.get(Keys.member(round_id, self.worker_id))
+        entry = self.control.get(Keys.member(round_id, self.worker_id))
+        me = None if entry is None else Member.from_json(entry)
         small = None
-        if me is None or int(me["size"]) <= SELF_ASSEMBLY_MAX:
-            plan = self.control.get(Keys.plan(round_id))
-            if plan is None:
+        if me is None or me.size <= SELF_ASSEMBLY_MAX:
+            header = self.control.get(Keys.plan(round_id))
+            if header is None:
                 return None
-            self._size_hint = int(plan["size"])
-            if not control.ids_contain(plan["ids"], self.worker_id):
+            plan = RoundPlan.from_json(header)
+            self._size_hint = plan.size
+            if not plan.contains(self.worker_id):
                 if self.ever_member:
                     self.leave_process(f"not a member of round {round_id}; leaving the job")
                 return False
             if me is None:
                 return None       # an outsider removed it: the driver puts it back
-            small = control.decode_ids(plan["ids"])
-        self._size_hint = int(me["size"])
+            small = plan.member_ids()
+        self._size_hint = me.size
         try:
             return self._enter(round_id, self._size_hint, small, me, deadline)
         finally:   # the driver has read our arrival, or the round is over
@@ -189,7 +191,7 @@ class RoundLifeCycle:
                 return True
             outcome = self.control.get(Keys.assembled(round_id))
             if outcome is not None:
-                return bool(outcome["ok"])
+                return Assembled.from_json(outcome).ok
             now = time.monotonic()
             if now - looked >= control.backstop_pause(size):
                 # Rarer looks: the driver also says "not ok" on this key when it
@@ -199,7 +201,7 @@ class RoundLifeCycle:
                     return False
                 if self.latest_round() > round_id:
                     outcome = self.control.get(Keys.assembled(round_id))
-                    return bool(outcome and outcome["ok"])
+                    return outcome is not None and Assembled.from_json(outcome).ok
                 self._check_stop()
             elif self.leave_requested:
                 self._check_stop()
@@ -222,8 +224,8 @@ class RoundLifeCycle:
             return False
         self.round_id = round_id
         self.membership = Membership(
-            rank=me["rank"], size=size, local_rank=me["local_rank"], local_size=me["local_size"],
-            cross_rank=me["cross_rank"], cross_size=me["cross_size"], hostname=me["host"],
+            rank=me.rank, size=size, local_rank=me.local_rank, local_size=me.local_size,
+            cross_rank=me.cross_rank, cross_size=me.cross_size, hostname=me.host,
         )
         self.placement = placement_for(self.membership)
         if self.placement.device is not None:
