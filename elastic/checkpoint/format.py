@@ -43,7 +43,7 @@ from elastic.checkpoint.errors import (  # noqa: F401
     Unreadable,
     Unusable,
 )
-from elastic.state.snapshot import join
+from elastic.tensor_tree import join
 
 FORMAT = "elastic-checkpoint/2"             # blobs named by xxh3-128
 READABLE = (FORMAT, "elastic-checkpoint/1")  # format 1: blobs named by sha256

@@ -17,51 +17,15 @@ import sys
 
 import torch
 
+from elastic import tensor_tree
 from elastic.worker.devices import synchronize_devices
 
-
-class TensorRef:
-    """Placeholder for the i-th tensor of a tree."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index):
-        self.index = index
-
-    def __reduce__(self):
-        return (TensorRef, (self.index,))
-
-
+# The tree helpers live in elastic/tensor_tree.py (checkpoint/ uses them too, without
+# importing state/); their names stay here, where checkpoints' pickles find TensorRef.
+TensorRef = tensor_tree.TensorRef
 _Ref = TensorRef   # the name in checkpoints written before the rename
-
-
-def _map_leaves(node, leaf):
-    """Rebuild a tree of dicts, lists and plain tuples, mapping every other node with ``leaf``."""
-    if isinstance(node, dict):
-        return {k: _map_leaves(v, leaf) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_map_leaves(v, leaf) for v in node]
-    if isinstance(node, tuple) and not hasattr(node, "_fields"):
-        return tuple(_map_leaves(v, leaf) for v in node)
-    return leaf(node)
-
-
-def split(tree):
-    """(skeleton, tensors): the tree with tensors replaced by TensorRef, and the tensors."""
-    tensors = []
-
-    def leaf(node):
-        if torch.is_tensor(node):
-            tensors.append(node.detach())
-            return TensorRef(len(tensors) - 1)
-        return copy.deepcopy(node)
-
-    return _map_leaves(tree, leaf), tensors
-
-
-def join(skeleton, tensors):
-    """Inverse of split."""
-    return _map_leaves(skeleton, lambda n: tensors[n.index] if isinstance(n, TensorRef) else n)
+split = tensor_tree.split
+join = tensor_tree.join
 
 
 class Snapshot:

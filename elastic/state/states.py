@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from elastic import protocol
+from elastic.checkpoint.checkpointer import Checkpointer, resolve
 from elastic.state import handlers, transfer
 from elastic.state.snapshot import Arena, Snapshot, host_clone, join, numel_by_dtype, pack, split
 from elastic.worker import round_view
@@ -336,7 +337,6 @@ class TorchState(ObjectState):
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  elastic_checkpoint=None, **kwargs) -> None:
-        from elastic.checkpoint.checkpointer import Checkpointer, resolve
         if isinstance(kwargs.get("checkpoint"), Checkpointer):   # the old spelling
             if elastic_checkpoint is not None:
                 raise TypeError("give the Checkpointer as elastic_checkpoint= only")
