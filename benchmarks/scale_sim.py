@@ -86,6 +86,9 @@ class SimCluster(Discovery):
     def owns(self, host):
         return True
 
+    def take_adopted(self):
+        return []          # a simulated driver is never restarted
+
     def send(self, host, command):
         self.commands[sim_of(host, len(self.commands))].put(command)
 

@@ -201,6 +201,16 @@ class ControlStore:
         blob = self.fetch(key)
         return None if blob is None else self._verify(key, blob)
 
+    def get_object(self, key: str) -> dict | None:
+        """The verified JSON object under ``key``: None when absent, forged, replayed, not
+        an object, or when the store refuses the read. For values that steer the reader,
+        which an outsider may have written: ignored, never obeyed, never fatal."""
+        try:
+            value = self.get(key)
+        except (ControlError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
     def fetch(self, key):
         """The bytes stored under ``key`` (unverified), or None, in one round trip."""
         self.requests += 1

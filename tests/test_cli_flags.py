@@ -256,3 +256,31 @@ def test_the_stall_warning_time_decides_when_the_rule_warns():
                       "--stall-check-warning-time-seconds", "2", "true"])
     found = stalls.find_stalls(views(), cli.config_from_args(args).stall_timeout, now=now)
     assert [(s.worker_id, s.action) for s in found] == [("3", "warn")]
+
+
+# -- one check of the options for the command line, elastic.launch and the Ray executor ----
+@pytest.mark.parametrize("flags, error", [
+    (["-np", "2", "--min-np", "3"], "-np 2 is smaller than --min-np 3"),
+    (["-np", "1", "--discovery-interval", "0"], "--discovery-interval must be a positive"),
+    (["-np", "1", "--blacklist-cooldown-range", "5", "1"],
+     "--blacklist-cooldown-range needs 0 <= MIN <= MAX"),
+    (["-np", "1", "--port", "7"], "--port, --secret-file and --state-dir go with --serve"),
+])
+def test_the_command_line_and_launch_refuse_the_same_options_with_the_same_line(flags, error):
+    from elastic.launching.client import validate_flags
+    from elastic.runner.job_config import JobConfig
+    from elastic.usage import UsageError
+    with pytest.raises(UsageError, match=re.escape(error)):
+        JobConfig.from_options(vars(cli.parse([*flags, "true"])))
+    with pytest.raises(ValueError, match="^elasticrun: " + re.escape(error)):
+        validate_flags(flags)
+
+
+def test_job_config_from_options_gives_the_driver_its_limits():
+    from elastic.runner.job_config import JobConfig
+    config = JobConfig.from_options(vars(cli.parse(
+        ["-np", "2", "--max-np", "5", "--reset-limit", "3", "--stall-timeout", "40", "true"])))
+    limits = config.limits()
+    assert (limits.np, limits.min_np, limits.max_np, limits.reset_limit) == (2, 2, 5, 3)
+    assert limits.stall_timeout == 40 and limits.worker_timeout == config.worker_timeout
+    assert config.command == ["true"] and config.discovery.discover() == {"localhost": 2}

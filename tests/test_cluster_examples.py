@@ -25,14 +25,12 @@ POLICY = {"-np", "--min-np", "--max-np", "--blacklist-cooldown-range", "--checkp
 
 def options(argv):
     """(set of canonical options, the training command) of an elasticrun argv."""
-    known = cli.build_parser()._option_string_actions
+    known = cli.build_parser().flags
     found, i = set(), 0
     while i < len(argv) and argv[i] in known:
-        action = known[argv[i]]
-        found.add(action.option_strings[0] if action.option_strings[0] != "--num-proc"
-                  else "-np")
-        i += 1 + (action.nargs if isinstance(action.nargs, int) else 0 if action.nargs == 0
-                  else 1)
+        flag = known[argv[i]]
+        found.add(flag.names[0] if flag.names[0] != "--num-proc" else "-np")
+        i += 1 + (1 if flag.nargs is None else flag.nargs)
     return found, argv[i:]
 
 

@@ -66,7 +66,7 @@ def test_the_flag_table_lists_exactly_the_flags_of_elasticrun_help():
     help_text = cli.build_parser().format_help()
     invocations = "\n".join(line for line in help_text.splitlines() if line.startswith("  -"))
     shown = set(re.findall(r"(?<![\w-])(-{1,2}[a-zA-Z][\w-]*)", invocations))
-    assert shown <= set(cli.build_parser()._option_string_actions)
+    assert shown <= set(cli.build_parser().flags)
     table = "\n".join(line for line in section("`elasticrun` flags").splitlines()
                       if line.startswith("| `"))
     listed = set(re.findall(r"(?<=[`/])(-{1,2}[a-zA-Z][\w-]*)", table))

@@ -149,8 +149,6 @@ def test_no_private_names_of_other_modules(path):
 
 
 OUTSIDE = [p for p in CHECKED if not p.is_relative_to(PACKAGE)]
-# argparse offers no public list of a parser's option strings.
-STDLIB_PRIVATE = {"_option_string_actions"}
 
 
 @pytest.mark.parametrize("path", OUTSIDE, ids=lambda p: str(p.relative_to(ROOT)))
@@ -164,7 +162,6 @@ def test_tests_and_benchmarks_use_public_attributes(path):
                                  if not a.name.startswith("elastic"))
     bad = [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
            if isinstance(node, ast.Attribute) and _private(node.attr)
-           and node.attr not in STDLIB_PRIVATE
            and not (isinstance(node.value, ast.Name)
                     and node.value.id in {"self", "cls"} | other_modules)]
     assert not bad, bad

@@ -12,22 +12,13 @@ import time
 
 from elastic.ctl.client import Client, CtlError, find_target
 from elastic.ctl.render import render
-from elastic.exceptions import ElasticError
+from elastic.usage import Parser, UsageError
 
 CLEAR = "\x1b[H\x1b[2J"      # cursor home, clear screen
 
 
-class UsageError(ElasticError):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
 def build_parser():
-    p = _Parser(prog="elasticctl", description="Look at and steer a running elasticrun job.")
+    p = Parser(prog="elasticctl", description="Look at and steer a running elasticrun job.")
     p.add_argument("--job", type=int, metavar="PID",
                    help="the job whose driver has this pid (when several run here)")
     p.add_argument("--addr", metavar="HOST:PORT",
@@ -36,7 +27,7 @@ def build_parser():
     p.add_argument("--secret-file", metavar="FILE", help="with --addr: the job secret")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for the driver's answer (default 10)")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
     status = sub.add_parser("status", help="print the job's status once")
     status.add_argument("--json", action="store_true", help="as JSON")
     status.add_argument("--watch", action="store_true", help="refresh it, as top does")

@@ -13,7 +13,6 @@ multi-host job put ``workdir`` on a filesystem they share.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -113,7 +112,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int =
         np, min_np, max_np, discovery_script, elasticrun_options)
     flags = elasticrun_flags(np, min_np, max_np, hosts, discovery_script, elasticrun_options)
     job_env = child_env(env)
-    _validate(flags)
+    validate_flags(flags)
     try:
         payload = pickle.dumps({
             "sys_path": worker_sys_path(),
@@ -199,20 +198,20 @@ def elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
     if discovery_script is not None:
         flags += ["--host-discovery-script", os.path.abspath(os.fspath(discovery_script))]
     from elastic.runner.cli import build_parser
-    known = build_parser()._option_string_actions
+    known = build_parser().flags
     for key, value in options.items():
         option = "--" + key.replace("_", "-")
-        action = known.get(option)
-        if action is None or key in ("num_proc", "min_num_proc", "max_num_proc", "hosts",
-                                     "host_discovery_script", "help"):
+        flag = known.get(option)
+        if flag is None or key in ("num_proc", "min_num_proc", "max_num_proc", "hosts",
+                                   "host_discovery_script", "help"):
             raise TypeError(f"launch() got an unexpected keyword argument {key!r}")
         if value is None or value is False:
             continue
-        if action.nargs == 0:                     # --verbose
+        if flag.nargs == 0:                       # --verbose
             flags.append(option)
-        elif isinstance(action, argparse._AppendAction) or action.nargs not in (None, "?"):
+        elif flag.repeatable or flag.nargs is not None:
             values = [value] if isinstance(value, (str, int, float)) else list(value)
-            if action.nargs not in (None, "?"):   # --blacklist-cooldown-range MIN MAX
+            if flag.nargs is not None:            # --blacklist-cooldown-range MIN MAX
                 flags += [option] + [str(v) for v in values]
             else:                                 # repeatable, e.g. --ssh-option
                 for v in values:
@@ -235,13 +234,17 @@ def _hosts_arg(hosts):
             from None
 
 
-def _validate(flags):
-    """Check the flags the way elasticrun will, so bad ones fail before anything starts."""
-    from elastic.runner import cli
+def validate_flags(flags):
+    """Check elasticrun's ``flags`` as elasticrun will (JobConfig.from_options, as the
+    command line does), so bad ones fail with ValueError before anything starts."""
+    from elastic.runner.cli import build_parser
+    from elastic.runner.job_config import JobConfig
+    from elastic.usage import UsageError
     command = [sys.executable, "-m", "elastic.launching.worker"]
     try:
-        cli.config_from_args(cli.build_parser().parse_args(list(flags) + ["--"] + command))
-    except cli.UsageError as exc:
+        options = vars(build_parser().parse_args(list(flags)))
+        JobConfig.from_options({**options, "command": command})
+    except UsageError as exc:
         raise ValueError(f"elasticrun: {exc}") from None
 
 

@@ -68,6 +68,7 @@ class RayExecutor:
         self.np = min_np if np is None else np
         self.flags = client.elasticrun_flags(self.np, min_np, max_np, None, None,
                                              elasticrun_options)
+        client.validate_flags(self.flags)     # as elastic.launch and elasticrun check them
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
         self.watch_interval = watch_interval

@@ -148,7 +148,7 @@ class Adoption:
         """New records for the workers ``backend`` (the agent hub) hands over, once
         ``hosts`` (discovered: host -> slots) lists their host, and the job with its next
         worker id past theirs. Before that the policy would stop them as unwanted."""
-        self.pending += backend.take_adopted() if hasattr(backend, "take_adopted") else []
+        self.pending += backend.take_adopted() if backend is not None else []
         records, by_host, later = [], {}, []
         ended = [wid for wid, _, handle in self.pending if handle is None]
         self.ended.update(ended)

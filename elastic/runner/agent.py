@@ -179,7 +179,7 @@ class Agent:
                          keep=True)
         deadline = time.monotonic() + ACCEPT_WAIT_S
         while True:
-            answer = self._verified(AgentKeys.accepted(name))
+            answer = self.control.get_object(AgentKeys.accepted(name))
             if answer is not None:
                 break
             if time.monotonic() > deadline:
@@ -236,7 +236,7 @@ class Agent:
                     self.control.heal()     # reports an outsider overwrote come back
                     self._heard(now)
                     last_beat = now
-                finished = self._verified(AgentKeys.FINISHED)
+                finished = self.control.get_object(AgentKeys.FINISHED)
                 if finished is not None:
                     return self._finish(finished)
                 self._take_requests()
@@ -259,7 +259,7 @@ class Agent:
     def _heard(self, now, at_least=0):
         """The driver's ack of a newer beat of ours (at least beat ``at_least``): it is
         there. An outsider can neither seal one nor replay one for a beat not yet sent."""
-        ack = self._verified(AgentKeys.ack(self.index))
+        ack = self.control.get_object(AgentKeys.ack(self.index))
         if ack is not None and isinstance(ack.get("seq"), int) and \
                 ack["seq"] > self.acked_beat and ack["seq"] >= at_least:
             self.acked_beat, self.heard_at = ack["seq"], now
@@ -328,7 +328,7 @@ class Agent:
             "workers": workers, "ended": self.ended, "nonce": nonce}, keep=True)
         deadline = time.monotonic() + ANSWER_WAIT_S
         while time.monotonic() < deadline:
-            answer = self._verified(AgentKeys.accepted(self.index), control)
+            answer = control.get_object(AgentKeys.accepted(self.index))
             if answer is not None and answer.get("nonce") == nonce:
                 control.forget(AgentKeys.info(self.index))
                 if not answer.get("ok"):
@@ -385,7 +385,7 @@ class Agent:
     def _take_requests(self):
         while True:
             key = AgentKeys.request(self.index, self.received + 1)
-            message = self._verified(key)
+            message = self.control.get_object(key)
             if message is None:
                 return
             self.received += 1      # the driver deletes it once a beat says so
@@ -429,7 +429,7 @@ class Agent:
             self.control.put(AgentKeys.report(self.index, self.sent),
                              {"out": out, "exits": exits}, keep=True)
         if self.acked < self.sent:
-            read = self._verified(AgentKeys.read(self.index)) or {}
+            read = self.control.get_object(AgentKeys.read(self.index)) or {}
             upto = read.get("reports")
             while isinstance(upto, int) and self.acked < min(upto, self.sent):
                 self.acked += 1
@@ -467,13 +467,6 @@ class Agent:
                 pass               # the driver is away: it learns of it from our exits
             for worker in self.workers.values():
                 worker.kill(signal.SIGTERM)
-
-    def _verified(self, key, control=None):
-        try:
-            value = (control or self.control).get(key)
-        except (ControlError, ValueError):
-            return None
-        return value if isinstance(value, dict) else None
 
 
 def port_open(host, port, timeout=2.0):

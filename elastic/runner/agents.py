@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from elastic import protocol
-from elastic.protocol import AgentKeys, ControlError, ControlStore
+from elastic.protocol import AgentKeys, ControlStore
 from elastic.runner.discovery import Discovery
 
 log = logging.getLogger("elasticrun")
@@ -210,7 +210,7 @@ class AgentHub(Discovery):
     def _scan(self, now):
         self._pending.update(self._registrations.take())
         for name in sorted(self._pending):
-            info = self._verified(AgentKeys.info(name))
+            info = self.control.get_object(AgentKeys.info(name))
             if info is None:
                 continue       # not readable yet, or overwritten: the agent puts it back
             self._pending.discard(name)
@@ -248,7 +248,7 @@ class AgentHub(Discovery):
                  "" if workers is None else f" and {len(agent.workers)} live worker(s)")
 
     def _poll_agent(self, agent, now):
-        beat = self._verified(AgentKeys.beat(agent.index))
+        beat = self.control.get_object(AgentKeys.beat(agent.index))
         if beat is not None and isinstance(beat.get("seq"), int) and beat["seq"] > agent.seq:
             if not agent.seq:
                 self.control.forget(AgentKeys.accepted(agent.index))   # it read the answer
@@ -288,7 +288,7 @@ class AgentHub(Discovery):
         before = agent.received
         while True:
             key = AgentKeys.report(agent.index, agent.received + 1)
-            report = self._verified(key)
+            report = self.control.get_object(key)
             if report is None:
                 break
             agent.received += 1
@@ -312,14 +312,6 @@ class AgentHub(Discovery):
             if isinstance(item, list) and len(item) == 2 and item[0] in agent.workers \
                     and isinstance(item[1], int):
                 agent.workers.pop(item[0]).code = item[1]
-
-    def _verified(self, key):
-        """A signed value, or None when absent or forged (an outsider's write is ignored)."""
-        try:
-            value = self.control.get(key)
-        except (ControlError, ValueError):
-            return None
-        return value if isinstance(value, dict) else None
 
 
 class _Registrations(threading.Thread):

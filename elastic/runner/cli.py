@@ -8,33 +8,23 @@ reaches argparse (whose prefix matching would take ``--n`` for one of ours).
 
 import argparse
 import logging
-import math
 import os
 import shutil
 import sys
 import tempfile
 
 from elastic import __version__, protocol
-from elastic.checkpoint import resume
-from elastic.exceptions import ElasticError
-from elastic.runner import config_file, dry_run, horovod_flags, launcher, repeats, serve, stragglers
+from elastic.runner import config_file, dry_run, horovod_flags, repeats, serve
 from elastic.runner.agent import DEFAULT_DRIVER_GRACE_S, run_agent
 from elastic.runner.console import Console
-from elastic.runner.discovery import DiscoveryError, FixedDiscovery, ScriptDiscovery, parse_host_list
-from elastic.runner.driver import JobConfig, run_job
-
-
-class UsageError(ElasticError):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
+from elastic.runner.discovery import DiscoveryError
+from elastic.runner.driver import run_job
+from elastic.runner.job_config import JobConfig, check_command, output_ranks
+from elastic.usage import Parser, UsageError
 
 
 def build_parser():
-    p = _Parser(prog="elasticrun", description="Run an elastic PyTorch data-parallel job.",
+    p = Parser(prog="elasticrun", description="Run an elastic PyTorch data-parallel job.",
                 usage="elasticrun [OPTIONS] COMMAND [ARGS ...]")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     p.add_argument("--config-file", metavar="FILE",
@@ -159,134 +149,9 @@ def build_parser():
     return p
 
 
-def _check_command(command):
-    if not command:
-        raise UsageError("no training command given")
-    exe = command[0]
-    if os.sep in exe:
-        if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
-            raise UsageError(f"training command {exe!r} does not exist or is not executable")
-    elif shutil.which(exe) is None:
-        raise UsageError(f"training command {exe!r} not found on PATH")
-
-
-def config_from_args(args):
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    serving = None
-    if args.serve:
-        try:
-            serving = serve.serve_settings(args, command)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-    else:
-        if args.port is not None or args.secret_file or args.state_dir:
-            raise UsageError("--port, --secret-file and --state-dir go with --serve or --join")
-        _check_command(command)
-    if args.np is None and args.min_np is None:
-        raise UsageError("give -np (or --min-np)")
-    np = args.np if args.np is not None else args.min_np
-    min_np = args.min_np if args.min_np is not None else np
-    for name, value in (("-np", np), ("--min-np", min_np), ("--max-np", args.max_np)):
-        if value is not None and value < 1:
-            raise UsageError(f"{name} must be at least 1, got {value}")
-    if args.max_np is not None and np > args.max_np:
-        raise UsageError(f"-np {np} is larger than --max-np {args.max_np}")
-    if args.max_np is not None and min_np > args.max_np:
-        raise UsageError(f"--min-np {min_np} is larger than --max-np {args.max_np}")
-    if np < min_np:
-        raise UsageError(f"-np {np} is smaller than --min-np {min_np}")
-    for name in ("discovery_interval", "discovery_timeout", "elastic_timeout", "worker_timeout",
-                 "join_timeout", "stop_timeout"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
-    if args.reset_limit is not None and args.reset_limit < 0:
-        raise UsageError("--reset-limit must be 0 or more")
-    if args.repeat_limit < 1:
-        raise UsageError(f"--repeat-limit must be at least 1, got {args.repeat_limit}")
-    if args.slots is not None and args.slots < 1:
-        raise UsageError("--slots-per-host must be at least 1")
-    cooldown = None
-    if args.blacklist_cooldown_range:
-        lo, hi = args.blacklist_cooldown_range
-        if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or hi < lo:
-            raise UsageError("--blacklist-cooldown-range needs 0 <= MIN <= MAX")
-        cooldown = (lo, hi)
-    if sum(1 for given in (args.hosts, args.discovery_script, args.hostfile) if given) > 1:
-        raise UsageError("give only one of -H, --hostfile and --host-discovery-script")
-    try:
-        start_timeout = horovod_flags.start_timeout(args, os.environ)
-        straggler_rule = stragglers.rule(args.straggler_ratio, args.straggler_window,
-                                         args.evict_stragglers)
-        extra_env = horovod_flags.fusion_env(args)
-        stall_timeout = horovod_flags.stall_timeout(args)
-        output_ranks(args.output_ranks)
-        if os.environ.get(protocol.ENV_CHECKPOINT_UNUSABLE):    # the workers inherit it
-            resume.choice(os.environ[protocol.ENV_CHECKPOINT_UNUSABLE])
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        if serving is not None:
-            discovery = serving[0]
-        elif args.hostfile:
-            discovery = FixedDiscovery(horovod_flags.read_hostfile(args.hostfile))
-        elif args.discovery_script:
-            discovery = ScriptDiscovery(args.discovery_script, args.slots, args.discovery_timeout)
-            discovery.validate()
-        else:
-            hosts = args.hosts if args.hosts is not None else f"localhost:{np}"
-            discovery = FixedDiscovery(parse_host_list(hosts))
-    except DiscoveryError as exc:
-        raise UsageError(str(exc)) from None
-    if args.output_dir:
-        try:
-            os.makedirs(args.output_dir, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--output-filename {args.output_dir!r}: {exc.strerror}") from None
-    try:
-        ssh_options = [launcher.check_ssh_option(o) for o in args.ssh_options]
-        if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
-            raise ValueError(f"--ssh-port {args.ssh_port} is not a port number")
-        if args.ssh_identity_file and not os.path.isfile(
-                os.path.expanduser(args.ssh_identity_file)):
-            raise ValueError(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
-        if not args.remote_python.strip():
-            raise ValueError("--remote-python must not be empty")
-        if args.network_interface:
-            launcher.interface_ipv4(args.network_interface)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    except OSError as exc:
-        raise UsageError(f"--network-interface {exc}") from None
-    if args.event_log:
-        try:
-            open(args.event_log, "a").close()
-        except OSError as exc:
-            raise UsageError(f"--event-log {args.event_log!r}: {exc.strerror}") from None
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        raise UsageError(f"--metrics-port {args.metrics_port} is not a port number")
-    if args.tensorboard:
-        try:
-            os.makedirs(args.tensorboard, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--tensorboard {args.tensorboard!r}: {exc.strerror}") from None
-    return JobConfig(
-        command=command, metrics_port=args.metrics_port, tensorboard=args.tensorboard,
-        discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
-        discovery_interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
-        reset_limit=args.reset_limit, repeat_limit=args.repeat_limit, cooldown_range=cooldown,
-        output_dir=args.output_dir,
-        worker_timeout=args.worker_timeout, event_log=args.event_log, ssh_port=args.ssh_port,
-        stop_timeout=args.stop_timeout, stall_timeout=stall_timeout,
-        ssh_identity_file=args.ssh_identity_file, ssh_options=ssh_options,
-        remote_python=args.remote_python, network_interface=args.network_interface,
-        extra_env={**extra_env, **({protocol.ENV_CHECKPOINT_DIR: os.path.abspath(
-            args.checkpoint_dir)} if args.checkpoint_dir else {}),
-            **({protocol.ENV_CHECKPOINT_UNUSABLE: args.on_unusable_checkpoint}
-               if args.on_unusable_checkpoint else {})},
-        start_timeout=start_timeout, stragglers=straggler_rule, state_dir=args.state_dir,
-        **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
-    )
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    """The job's settings from parsed arguments (JobConfig.from_options checks them)."""
+    return JobConfig.from_options(vars(args))
 
 
 def no_checkpoint_warning(job_env, environ, serving):
@@ -298,29 +163,11 @@ def no_checkpoint_warning(job_env, environ, serving):
             " loses it (docs/checkpoints.md)")
 
 
-def output_ranks(text):
-    """``--output-ranks 0,2-3`` as a set of ranks (None when not given)."""
-    if text is None:
-        return None
-    ranks = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            first, last = int(lo), int(hi) if hi else int(lo)
-            if first < 0 or last < first:
-                raise ValueError
-            ranks.update(range(first, last + 1))
-    except ValueError:
-        raise UsageError(f"--output-ranks {text!r}: expected ranks such as 0 or 0,2-3") \
-            from None
-    return ranks
-
-
 def split_command(parser, argv):
     """``(our flags, the training command)``: the command starts at the first word
     that is neither a flag of ours nor a flag's value, or after ``--``. A flag we
     do not know stays on our side, so argparse names it."""
-    options = parser._option_string_actions
+    options = parser.flags
     longs = [o for o in options if o.startswith("--")]
     i = 0
     while i < len(argv):
@@ -330,14 +177,13 @@ def split_command(parser, argv):
         if not word.startswith("-") or word == "-":
             return argv[:i], argv[i:]
         name, has_value, _ = word.partition("=")
-        action = options.get(name)
-        if action is None and name.startswith("--"):
+        flag = options.get(name)
+        if flag is None and name.startswith("--"):
             matches = [o for o in longs if o.startswith(name)]
-            action = options[matches[0]] if len(matches) == 1 else None
+            flag = options[matches[0]] if len(matches) == 1 else None
         i += 1
-        if action is not None and not has_value:
-            nargs = action.nargs
-            i += 0 if nargs == 0 else nargs if isinstance(nargs, int) else 1
+        if flag is not None and not has_value:
+            i += 1 if flag.nargs is None else flag.nargs
     return argv, []
 
 
@@ -349,7 +195,7 @@ def parse(argv):
     args = parser.parse_args(ours)
     if args.config_file:
         try:
-            from_file = config_file.to_argv(args.config_file, parser._option_string_actions)
+            from_file = config_file.to_argv(args.config_file, parser.flags)
         except config_file.ConfigFileError as exc:
             raise UsageError(str(exc)) from None
         args = parser.parse_args(from_file + ours)
@@ -366,7 +212,7 @@ def _agent_main(args):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         config = serve.agent_config(args, command)
-        _check_command(command)
+        check_command(command)
     except (ValueError, UsageError) as exc:
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 2

@@ -69,7 +69,7 @@ def load(path):
 
 def to_argv(path, options):
     """The flags the file stands for. ``options`` maps each option string to its
-    argparse action (``parser._option_string_actions``)."""
+    usage.Flag (``parser.flags``)."""
     argv = []
     for key, value in load(path).items():
         key = str(key)
@@ -103,6 +103,7 @@ def _horovod_entry(path, section, key, value, options):
 
 
 def _flag(path, name, flag, value, action):
+    """``action``: the flag's usage.Flag."""
     if action.nargs == 0:
         if not isinstance(value, bool):
             raise ConfigFileError(f"--config-file {path}: {name} must be true or false, "
@@ -115,7 +116,7 @@ def _flag(path, name, flag, value, action):
         if len(values) != action.nargs:
             raise ConfigFileError(f"--config-file {path}: {name} needs {action.nargs} values")
         return [flag] + [str(v) for v in values]
-    if len(values) != 1 and not isinstance(action.default, list):
+    if len(values) != 1 and not action.repeatable:
         raise ConfigFileError(f"--config-file {path}: {name} takes one value")
     out = []
     for v in values:

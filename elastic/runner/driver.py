@@ -13,7 +13,6 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 
 from elastic import protocol as control
 from elastic.exceptions import ElasticError
@@ -32,7 +31,6 @@ from elastic.runner.decisions import (
     HostFailed,
     Job,
     Left,
-    Limits,
     Notice,
     Preempted,
     Publish,
@@ -47,6 +45,7 @@ from elastic.runner.decisions import (
 from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
+from elastic.runner.job_config import JobConfig
 from elastic.runner.policy import can_skip, decide
 from elastic.runner.records import Observed, WorkerRecord
 from elastic.runner.stalls import exit_poll_interval, heartbeat_interval, heartbeat_read_interval
@@ -70,54 +69,12 @@ class Interrupted(ElasticError):
         self.exit_code = 128 + signum
 
 
-@dataclass
-class JobConfig:
-    command: list
-    discovery: object
-    np: int = 1
-    min_np: int = 1
-    max_np: int = None
-    discovery_interval: float = 1.0
-    elastic_timeout: float = 600.0
-    reset_limit: int = None
-    repeat_limit: int = Limits.repeat_limit   # failed rounds with the same members, then decide
-    cooldown_range: tuple = None
-    output_dir: str = None
-    event_log: str = None
-    worker_timeout: float = 30.0
-    heartbeat_interval: float = 1.0
-    extra_env: dict = field(default_factory=dict)
-    ssh_port: int = None              # hosts that are not local are reached with ssh
-    ssh_identity_file: str = None
-    ssh_options: list = field(default_factory=list)   # "Key=Value" for ssh -o
-    remote_python: str = "python3"    # runs elastic/runner/remote.py on remote hosts
-    network_interface: str = None     # store address for remote workers; gloo/NCCL iface
-    port: int = 0                     # the store's port (0: any free one)
-    secret: str = None                # the job secret (None: a fresh one for this job)
-    backend: object = None            # launches on the hosts it owns (joining agents)
-    start_timeout: float = None       # evict a worker not at elastic.init() by then (None: default)
-    stop_timeout: float = 20.0        # after SIGTERM/SIGINT: time to reach a commit and leave
-    stall_timeout: float = 600.0      # evict a rank its peers waited on this long
-    preempted_hold: float = 60.0      # a preempted host that discovery keeps listing returns
-    console: object = None            # console.Console (cli builds it from the output flags)
-    state_dir: str = None             # --serve --state-dir: what a restarted driver takes back
-    metrics_port: int = None          # serve Prometheus metrics here (runner/metrics.py)
-    tensorboard: str = None           # write TensorBoard scalars in this directory
-    stragglers: object = None         # stragglers.StragglerRule (None: its defaults)
-    start_warning: str = None         # printed once, after the first round's line
-
-
 class Driver:
     """Gathers facts, asks ``policy.decide`` and carries out its actions."""
 
-    def __init__(self, config):
+    def __init__(self, config: JobConfig) -> None:
         self.cfg = config
-        self.limits = Limits(np=config.np, min_np=config.min_np, max_np=config.max_np,
-                             elastic_timeout=config.elastic_timeout,
-                             reset_limit=config.reset_limit, worker_timeout=config.worker_timeout,
-                             start_timeout=config.start_timeout, repeat_limit=config.repeat_limit,
-                             stop_timeout=config.stop_timeout, stall_timeout=config.stall_timeout,
-                             preempted_hold=config.preempted_hold, stragglers=config.stragglers)
+        self.limits = config.limits()       # steering (elasticctl resize) replaces it
         self.hosts = HostManager(config.cooldown_range)
         self.secret, self.worker_secret = control.job_keys(config.secret or secrets.token_hex(32))
         self.sink = config.console or console.Console(config.output_dir)
@@ -266,7 +223,7 @@ class Driver:
             exits.append(Exit(wid, w.host, code, stopped=w.stopped, ready=w.ready,
                               done_round=done["round"] if done else None,
                               note=w.proc.describe_exit(code) if code else "",
-                              leaving=self._signed(Keys.leaving(wid)),
+                              leaving=self.control.get_object(Keys.leaving(wid)),
                               fatal=self._fatal_line(wid, code)))
             self.plane.worker_gone(wid)
         found = self.plane.ready(self._unready, now) if self._unready else ()
@@ -290,7 +247,7 @@ class Driver:
                 if value is not None and w.liveness.update(value, now):
                     w.heartbeat, w.heartbeat_at = w.liveness.beat, now
                 if w.liveness.leaving and w.leaving is None:
-                    w.leaving = self._signed(Keys.leaving(w.worker_id)) or {"signal": 15}
+                    w.leaving = self.control.get_object(Keys.leaving(w.worker_id)) or {"signal": 15}
         job = self.job
         reports = {}
         if job.round_id and job.round_id not in job.aborted and job.final_round is None:
@@ -324,15 +281,9 @@ class Driver:
 
     def _fatal_line(self, wid, code):
         """What a worker that exited with EXIT_STOP_JOB said stops the job (worker/fatal.py)."""
-        value = self._signed(Keys.fatal(wid)) if code == control.EXIT_STOP_JOB else None
+        value = self.control.get_object(Keys.fatal(wid)) if code == control.EXIT_STOP_JOB else None
         line = str(value.get("line") or "")[:2000] if value else ""
         return line or None
-
-    def _signed(self, key):
-        try:
-            return self.control.get(key)
-        except control.ControlError:
-            return None          # a forged value is ignored, never obeyed
 
     # -- actions ----------------------------------------------------------------------
     def _carry_out(self, action, now):
