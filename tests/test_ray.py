@@ -140,7 +140,7 @@ def test_bad_arguments_fail_before_anything_starts():
     with pytest.raises(TypeError):
         RayExecutor(min_np=1, no_such_flag=3)
     # elasticrun's own checks (JobConfig.from_options), as elastic.launch and the CLI make them
-    with pytest.raises(ValueError, match="^elasticrun: --min-np 3 is larger than --max-np 2$"):
+    with pytest.raises(ValueError, match="^elasticrun: -np 3 is larger than --max-np 2$"):
         RayExecutor(min_np=3, max_np=2)
     with pytest.raises(ValueError, match="--elastic-timeout must be a positive number"):
         RayExecutor(min_np=1, elastic_timeout=-1)
