@@ -81,10 +81,18 @@ gpu-check: install
 soak: install
 	OMP_NUM_THREADS=1 $(PY) tests/soak.py --changes 200 --seed 1
 
-# Needs only a Python with pip: the venv and ruff are created here if missing.
-lint: $(STAMP)
-	$(PY) -m pip install -q ruff
+# Needs only a Python with pip: the venv, ruff and mypy are installed here if missing.
+# mypy is pinned exactly (a new release brings new errors); its settings are in setup.cfg.
+MYPY_VERSION := 1.18.2
+LINT_STAMP := $(VENV)/.lint-$(MYPY_VERSION)
+
+$(LINT_STAMP): $(STAMP)
+	$(PY) -m pip install -q ruff mypy==$(MYPY_VERSION)
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
 	$(PY) -m ruff check elastic tests examples benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

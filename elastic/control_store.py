@@ -148,8 +148,8 @@ class ControlStore:
         self.rebind(store)
         self.sealer = Sealer(secret, job=namespace)
         self.rejected = WarnOnce(warn)
-        self._highest = {}
-        self._kept = {}
+        self._highest: dict[str, int] = {}
+        self._kept: dict = {}
         self.requests = 0       # store round trips and bytes read, for make scale
         self.bytes_read = 0
 

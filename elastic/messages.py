@@ -71,7 +71,8 @@ def _fields(value: object, what: str, **kinds: type) -> dict[str, Any]:
     out = {}
     for name, kind in kinds.items():
         field = value.get(name)
-        if not isinstance(field, kind) or (kind is int and (isinstance(field, bool) or field < 0)):
+        negative = isinstance(field, int) and field < 0
+        if not isinstance(field, kind) or (kind is int and (isinstance(field, bool) or negative)):
             raise MessageError(f"{what}: {name!r} is {field!r}, not a {kind.__name__}"
                                + (" >= 0" if kind is int else ""))
         out[name] = field

@@ -43,7 +43,7 @@ KEEPALIVE_PROBES = 4
 WARN_EVERY_S = 60.0
 _BACKOFF_MAX_S = 2.0
 
-_warned = {}
+_warned: dict = {}
 _warned_lock = threading.Lock()
 _CPP_ERROR_LEVEL = 2           # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
 _quieted = []

@@ -117,9 +117,9 @@ class Checkpointer:
         self._last_time = time.monotonic()
         self._cond = threading.Condition()
         self._mu = threading.Lock()
-        self._unread = {}        # index -> snapshot buffer the writer has yet to read
-        self._retired = []       # buffers swapped out of the snapshot while being read
-        self._spares = {}        # (shape, dtype, pinned) -> buffers to reuse
+        self._unread: dict = {}  # index -> snapshot buffer the writer has yet to read
+        self._retired: list = []  # buffers swapped out of the snapshot while being read
+        self._spares: dict = {}  # (shape, dtype, pinned) -> buffers to reuse
         self._busy = False
         self._job = None
         self._closing = False

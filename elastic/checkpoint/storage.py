@@ -112,7 +112,7 @@ def create_file(path, mode):
 
 
 # -- known-good blobs ---------------------------------------------------------------------
-_known = {}          # absolute directory -> {blob name: size}
+_known: dict[str, dict[str, int]] = {}   # absolute directory -> {blob name: size}
 _known_mu = threading.Lock()
 
 

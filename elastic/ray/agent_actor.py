@@ -22,7 +22,7 @@ def _package_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(elastic.__file__)))
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]
 class AgentActor:
     def pid(self):
         return os.getpid()

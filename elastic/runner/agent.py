@@ -63,7 +63,7 @@ class AgentConfig:
     slots: int = 1
     connect_timeout: float = 60.0
     stop_timeout: float = 20.0
-    output_dir: str = None
+    output_dir: str | None = None
     quiet: bool = False               # True: forward output to the driver only
     driver_grace: float = DEFAULT_DRIVER_GRACE_S   # keep the workers this long without a driver
 

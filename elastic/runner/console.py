@@ -30,7 +30,7 @@ class Failure:
     at: float                      # time.time()
     reason: str                    # the driver's line, e.g. "... exited with code 1"
     details: list                  # traceback tail (or stderr tail) lines
-    error_file: str = None         # its path when kept (under --output-filename)
+    error_file: str | None = None  # its path when kept (under --output-filename)
     source: str = "stderr"         # "error file" or "stderr"
 
 

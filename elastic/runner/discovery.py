@@ -210,7 +210,8 @@ class ScriptDiscovery(Discovery):
             # Something left the group (e.g. called setsid) and still holds
             # a pipe: stop reading rather than wait for it.
             for stream in (proc.stdout, proc.stderr):
-                stream.close()
+                if stream is not None:
+                    stream.close()
             proc.kill()
             proc.wait()
 

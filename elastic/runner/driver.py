@@ -79,7 +79,7 @@ class Driver:
         self.secret, self.worker_secret = control.job_keys(config.secret or secrets.token_hex(32))
         self.sink = config.console or console.Console(config.output_dir)
         self.job = Job()
-        self.workers = {}          # live workers by id
+        self.workers: dict[str, WorkerRecord] = {}   # live workers by id
         self.started = time.monotonic()
         self._last_heartbeat_check = 0.0
         self._last_exit_poll = 0.0
@@ -93,7 +93,7 @@ class Driver:
         self._newly_ready = 0
         self._last_spawn_at = None
         self.quiet_ticks = 0
-        self._unready = set()      # live workers whose registration has not been seen
+        self._unready: set[str] = set()   # live workers whose registration has not been seen
         self.adoption = Adoption(wait_s=config.worker_timeout)   # a restarted --serve adopts live workers
         self.saved = StateDir(config.state_dir)    # ... and takes back what it kept there
         self.job = resume(self.saved, self.job, self.hosts, self.adoption, self.started)

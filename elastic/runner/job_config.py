@@ -212,7 +212,7 @@ def output_ranks(text: str | None) -> set[int] | None:
     """``--output-ranks 0,2-3`` as a set of ranks (None when not given)."""
     if text is None:
         return None
-    ranks = set()
+    ranks: set[int] = set()
     try:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")

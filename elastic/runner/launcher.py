@@ -290,8 +290,8 @@ class SshSettings:
     """How to reach hosts that are not local. Host keys are checked as the
     user's ssh configuration says (known_hosts); nothing here turns that off."""
 
-    port: int = None
-    identity_file: str = None
+    port: int | None = None
+    identity_file: str | None = None
     options: list = field(default_factory=list)     # "Key=Value" strings for ssh -o
     python: str = "python3"                          # runs remote.py on the host
 

@@ -17,9 +17,9 @@ class WorkerRecord:
     stopped: bool = False
     heartbeat: int = 0
     heartbeat_at: float = 0.0
-    liveness: Liveness = None
-    leaving: dict = None              # its SIGTERM report (Keys.leaving)
-    leaving_since: float = None
+    liveness: Liveness | None = None
+    leaving: dict | None = None       # its SIGTERM report (Keys.leaving)
+    leaving_since: float | None = None
 
     def __post_init__(self):
         self.liveness = Liveness(beat_at=self.started, progress_at=self.started)

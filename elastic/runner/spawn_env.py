@@ -47,7 +47,7 @@ def split(requested, allow=()):
     return kept, sorted(dropped)
 
 
-_WARNED = set()       # names this agent already warned about
+_WARNED: set[str] = set()   # names this agent already warned about
 
 
 def request_env(requested, warned, warn):

@@ -25,13 +25,13 @@ class Liveness:
     beat_at: float = 0.0          # driver clock when ``beat`` last changed
     progress: tuple = ()          # (waits, commits) as last reported
     progress_at: float = 0.0      # driver clock when ``progress`` last changed
-    waiting: dict = None          # {"what", "round", "on_peers", "seconds"} or None
+    waiting: dict | None = None   # {"what", "round", "on_peers", "seconds"} or None
     warned: bool = False          # the stall warning for this episode was printed
     leaving: bool = False
     commit_count: int = 0         # for elasticctl: commits, when the count last moved, a rate
     commit_at: float = 0.0
-    commit_rate: float = None     # commits per second (smoothed over beats)
-    seconds: dict = None          # {"commit": s, "sync": s}: how long the last ones took
+    commit_rate: float | None = None   # commits per second (smoothed over beats)
+    seconds: dict | None = None   # {"commit": s, "sync": s}: how long the last ones took
     holds: int = -1               # the commit its state holds (-1: none yet; holders.py)
     durable: int = -1             # the newest checkpoint it wrote or resumed from
     timing: tuple = ()            # (driver clock, seconds waited on peers, commits) samples

@@ -99,10 +99,10 @@ class HorovodHandler:
         self.save()
 
 
-_registered = []   # (type, Handler instance or Horovod-style class), newest first
+_registered: list = []   # (type, Handler instance or Horovod-style class), newest first
 
 
-_BUILTIN = []
+_BUILTIN: list = []
 
 
 def _builtin():

@@ -274,7 +274,7 @@ def numel_by_dtype(tensors):
 
 _HUGE = 2 << 20                 # a transparent huge page
 _MADV_HUGEPAGE = 14
-_libc = []
+_libc: list = []
 
 
 def _advise_huge_pages(t):

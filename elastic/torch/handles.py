@@ -11,7 +11,7 @@ import threading
 
 from elastic.worker import collectives, runtime
 
-_in_flight = {}          # (op kind, name) -> round id
+_in_flight: dict = {}    # (op kind, name) -> round id
 _lock = threading.Lock()
 
 

@@ -47,7 +47,7 @@ from elastic.torch.negotiation import (
 BLOCKING, DEFERRABLE, WAITING = 0, 1, 2
 RUN, FLUSH, DEFER, MISMATCH = "run", "flush", "defer", "mismatch"
 
-_pending = {}       # (round, set ranks) -> [Op], oldest first
+_pending: dict = {}   # (round, set ranks) -> [Op], oldest first
 _lock = threading.Lock()
 
 

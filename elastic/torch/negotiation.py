@@ -104,7 +104,7 @@ def issue(fn, what):
         raise WorkersDepartedError(f"{what} failed: {exc}") from exc
 
 
-_exchanges = {}   # (round, set ranks) -> exchanges so far: the same count on every member
+_exchanges: dict = {}   # (round, set ranks) -> exchanges so far: the same count on every member
 
 
 def exchanges_so_far(binding):

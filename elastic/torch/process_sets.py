@@ -100,7 +100,7 @@ _registered = {0: global_process_set}
 _REDUCE_OPS = {collectives.Sum: dist.ReduceOp.SUM, collectives.Min: dist.ReduceOp.MIN,
                collectives.Max: dist.ReduceOp.MAX, collectives.Product: dist.ReduceOp.PRODUCT}
 _next_id = [1]
-_generations = {}      # (round, ranks) -> times built, so a re-added set gets a fresh prefix
+_generations: dict = {}   # (round, ranks) -> times built, so a re-added set gets a fresh prefix
 _lock = threading.Lock()
 
 

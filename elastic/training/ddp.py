@@ -74,7 +74,7 @@ class DistributedDataParallel(torch.nn.Module):
     def ddp(self) -> TorchDDP | None:
         """torch's DDP, bound to the current round's group (None at size 1 alone)."""
         group = self._group()
-        ddp = self._ddp
+        ddp: TorchDDP | None = self._ddp   # type: ignore[assignment]  # (in __dict__, not a submodule)
         if group is None:
             return None
         if ddp is not None and self.process_group is group:
@@ -139,7 +139,7 @@ class DistributedDataParallel(torch.nn.Module):
     def train(self, mode: bool = True):
         super().train(mode)
         if self._ddp is not None:
-            self._ddp.train(mode)
+            self._ddp.train(mode)   # type: ignore[union-attr]
         return self
 
 

@@ -113,8 +113,8 @@ class LRScaler:
         self.estimator = GainEstimator(base_size) if rule == ADASCALE else None
         self.progress = 0.0     # scale-invariant iterations: the sum of each step's factor
         self.steps = 0
-        self._driven = []       # [(scheduler, every)] stepped on progress
-        self.size = None
+        self._driven: list = []  # [(scheduler, every)] stepped on progress
+        self.size: int = 0      # update() reads it next
         self.factor = 1.0
         self.update()   # validates rule and sizes before any hook is installed
         self._swapped = None   # [(group, unscaled, scaled)] while a step is running

@@ -126,7 +126,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._end_cycle(drop_buffers=False)
 
     gradient_predivide_factor, sparse_as_dense, process_set = (
-        property(lambda self, _n=n: getattr(self, _n))
+        property(lambda self, _n=n: getattr(self, _n))  # type: ignore[misc]
         for n in ("_predivide", "_sparse_as_dense", "_process_set"))
 
     # Names from named_parameters, else allreduce.noname.<i> by position, as in Horovod
@@ -452,7 +452,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.copy_(out)
 
 
-_CLASSES = {}
+_CLASSES: dict = {}
 
 
 def _class_for(optimizer):

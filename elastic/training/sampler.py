@@ -87,10 +87,10 @@ class ElasticSampler(Sampler):
         self._rank, self._size = 0, 1
         self._perm_cache = None  # (epoch, seed, shuffle, order, head, perm); derived, never saved
         self._order = "torch"    # "horovod": the permutation of a state dict saved by Horovod
-        self._head = None        # (epoch, indices): processed first in that epoch (Horovod's
+        self._head: tuple[int, list[int]] | None = None   # (epoch, indices): processed first in that epoch (Horovod's
                                  # older format saved a set of processed indices)
-        self.indices = []        # what the last __iter__ handed out, as in Horovod
-        self._indices = []
+        self.indices: list[int] = []   # what the last __iter__ handed out, as in Horovod
+        self._indices: list[int] = []
         self._batches = 0        # global-batch mode: global batches left as of the last reset
         self.reset()
 

@@ -40,7 +40,7 @@ class Watcher:
         self._conn_worker = None
 
     def watch(self, inner: torch.futures.Future, group) -> torch.futures.Future:
-        out = torch.futures.Future()
+        out: torch.futures.Future = torch.futures.Future()
         entry = _Pending(out, group)
 
         def settle(fut):

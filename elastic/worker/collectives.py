@@ -54,7 +54,7 @@ def allreduce_async(tensor: torch.Tensor, op: str = Average) -> tuple | None:
     if w is None:
         return None
     opts = dist.AllreduceOptions()
-    opts.reduceOp = _TORCH_OPS[op]
+    opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
     work = _issue(lambda: _group_for(w, tensor).allreduce([tensor], opts), "allreduce")
     w.progress.issue()     # gradient hooks issue these during backward: that is progress too
     return (work, tensor, op, w.membership.size, w)

@@ -144,7 +144,7 @@ class RoundGroup(dist.ProcessGroup):
 
     def __init__(self, worker: RoundMember, round_id: int, cpu: TrackedGroup,
                  device: TrackedGroup):
-        super().__init__(worker.membership.rank, worker.membership.size)
+        super().__init__(worker.membership.rank, worker.membership.size)  # type: ignore[call-arg]
         self.worker = worker
         self.round_id = round_id
         self._cpu = cpu
@@ -256,7 +256,7 @@ def install(worker: RoundMember, round_id: int, cpu: TrackedGroup, device: Track
     uninstall()
     group = RoundGroup(worker, round_id, cpu, device)
     name = f"elastic_round_{round_id}"
-    group._set_group_name(name)
+    group._set_group_name(name)  # type: ignore[arg-type]
     group._set_group_desc("default_pg")
     c10d._update_default_pg(group)
     # dist.new_group names groups by a per-process count: a newcomer's count and its
@@ -264,7 +264,7 @@ def install(worker: RoundMember, round_id: int, cpu: TrackedGroup, device: Track
     c10d._world.group_count = 0
     # dist.new_group meets its peers under this store (a prefix of the round's own).
     c10d._register_pg_in_world(group, backend_name=group.backend_name,
-                               store=dist.PrefixStore("torch/", rendezvous), group_name=name,
+                               store=dist.PrefixStore("torch/", rendezvous), group_name=name,  # type: ignore[arg-type]
                                backend_config=group.backend_name,
                                rank_mapping={r: r for r in range(group.size())})
     _current = group
@@ -329,7 +329,7 @@ def explains(exc: BaseException, worker: RoundMember | None) -> bool:
         if isinstance(chain, (dist.DistError, WorkersDepartedError)) or \
                 "WorkersDepartedError" in str(chain):
             return True
-        chain, seen = chain.__cause__ or chain.__context__, seen + 1
+        chain, seen = chain.__cause__ or chain.__context__, seen + 1  # type: ignore[assignment]
     deadline = time.monotonic() + ABORT_GRACE_S
     while worker.membership is not None:
         try:
