@@ -87,8 +87,9 @@ class ElasticSampler(Sampler):
         self._rank, self._size = 0, 1
         self._perm_cache = None  # (epoch, seed, shuffle, order, head, perm); derived, never saved
         self._order = "torch"    # "horovod": the permutation of a state dict saved by Horovod
-        self._head: tuple[int, list[int]] | None = None   # (epoch, indices): processed first in that epoch (Horovod's
-                                 # older format saved a set of processed indices)
+        # (epoch, indices): processed first in that epoch (Horovod's older format saved a
+        # set of processed indices)
+        self._head: tuple[int, list[int]] | None = None
         self.indices: list[int] = []   # what the last __iter__ handed out, as in Horovod
         self._indices: list[int] = []
         self._batches = 0        # global-batch mode: global batches left as of the last reset
