@@ -46,7 +46,7 @@ _BACKOFF_MAX_S = 2.0
 _warned: dict = {}
 _warned_lock = threading.Lock()
 _CPP_ERROR_LEVEL = 2           # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
-_quieted = []
+_quieted: list = []
 
 
 def quiet_cpp_warnings(environ=os.environ) -> bool:

@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -103,7 +103,7 @@ class Checkpointer:
         self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
                       "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
         self._state = None
-        self._round = None           # the RoundView of the last sync (None: standalone)
+        self._round: RoundView | None = None   # the RoundView of the last sync (None: standalone)
         self._world_size = 1
         self._lock = DirectoryLock(self.directory, job_id(id(self)))
         self._resume_tried = False
@@ -124,7 +124,7 @@ class Checkpointer:
         self._job = None
         self._closing = False
         self._thread = None
-        self._atexit = None
+        self._atexit: Callable[..., None] | None = None
 
     @property
     def writing(self) -> bool:

@@ -211,7 +211,8 @@ class State:
         snapshot's flats (dtype, length) and how many elements of each dtype its first
         restore copies (``Snapshot.reserve``, ``Arena``). Rank 0's round publishes it."""
         kept = []
-        self._copies(self._snapshot.materialize(shared=True), lambda t: kept.append(t) or t)
+        self._copies(self._snapshot.materialize(shared=True),
+                     lambda t: kept.append(t) or t)  # type: ignore[func-returns-value]
         return {"flats": [list(x) for x in self._snapshot.specs()],
                 "copies": [list(x) for x in numel_by_dtype(kept)]}
 

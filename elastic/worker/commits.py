@@ -55,7 +55,7 @@ def agree(mine: CommitCheck, group: TrackedGroup, waits: RoundWaits) -> CommitCh
     that watch the round's abort (a failure raises WorkersDepartedError)."""
     flags = mine.to_tensor()
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
     work = waiting.issue(lambda: group.allreduce([flags], opts), "allreduce")
     waits.progress.issue()
     waiting.wait(work, "allreduce", waits)

@@ -68,7 +68,7 @@ class RoundLifeCycle:
         self._latest = 0
         self._size_hint = size_hint   # sets how often we look
         self._healed_at = 0.0
-        self._standing = set()      # our sealed reports kept in place until the next round
+        self._standing: set[str] = set()   # our sealed reports kept in place until the next round
         self._rendezvous = None     # the forming round's SignedStore, healed until it checks
         self._round_store = None    # the current round's SignedStore (its keys go with it)
 

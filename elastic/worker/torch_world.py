@@ -144,7 +144,7 @@ class RoundGroup(dist.ProcessGroup):
 
     def __init__(self, worker: RoundMember, round_id: int, cpu: TrackedGroup,
                  device: TrackedGroup):
-        super().__init__(worker.membership.rank, worker.membership.size)  # type: ignore[call-arg]
+        super().__init__(worker.membership.rank, worker.membership.size)  # type: ignore[call-arg, arg-type]
         self.worker = worker
         self.round_id = round_id
         self._cpu = cpu
