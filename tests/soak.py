@@ -438,6 +438,8 @@ def rank0_phase(directory, phase_s):
         assert resumed and int(resumed[0]) == newest, (resumed, newest)
     finally:
         kill_leftover_jobs(started)
+
+
 def driver_restarts(workdir, restarts, seed):
     """Joining mode (elasticrun --serve, three agents, as in examples/kubernetes/): the
     serving driver SIGKILLed ``restarts`` times at seeded random moments (in steady
@@ -446,7 +448,7 @@ def driver_restarts(workdir, restarts, seed):
     number of steps trained in each outage. The job must end exit 0 with every rank
     bitwise equal, every sample trained once, no step gone back and no worker
     started again: the same processes throughout. Returns {moment: count}."""
-    from join_cluster import JoinJob
+    from join_cluster import JoinJob, wait_until
     rng = random.Random(seed)
     base = Path(workdir) / "driver-restarts"
     base.mkdir(parents=True, exist_ok=True)
@@ -463,7 +465,7 @@ def driver_restarts(workdir, restarts, seed):
     def train_on(steps, driver_alive=True):
         goal = trained() + steps
         wait = job.wait_for if driver_alive else \
-            (lambda p, what: _wait_until(p, what, job.output))
+            (lambda p, what: wait_until(p, what, output=job.output))
         wait(lambda: trained() >= goal, f"{steps} more steps")
     try:
         job.start()
@@ -511,15 +513,6 @@ def driver_restarts(workdir, restarts, seed):
         return moments
     finally:
         job.cleanup()
-
-
-def _wait_until(predicate, what, output, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}\n{output()[-4000:]}")
 
 
 def table(summary):
