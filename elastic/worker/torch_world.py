@@ -21,7 +21,6 @@ collective on an ended round's group raises WorkersDepartedError at once.
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -30,7 +29,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from elastic import protocol
 from elastic.exceptions import ElasticError, WorkersDepartedError
-from elastic.worker import waiting
+from elastic.worker import sliced, waiting
 
 if TYPE_CHECKING:
     from elastic.protocol import ControlStore
@@ -330,14 +329,15 @@ def explains(exc: BaseException, worker: RoundMember | None) -> bool:
                 "WorkersDepartedError" in str(chain):
             return True
         chain, seen = chain.__cause__ or chain.__context__, seen + 1  # type: ignore[assignment]
-    deadline = time.monotonic() + ABORT_GRACE_S
-    while worker.membership is not None:
-        try:
-            if worker.round_aborted():
-                return True
-        except Exception:  # noqa: BLE001 - the store unreadable: no evidence either way
-            return False
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(waiting.WAIT_SLICE_S)
-    return False
+    member = worker
+
+    def aborted_now() -> bool:
+        if member.membership is None:
+            raise LookupError("no round to wait on")
+        return member.round_aborted()
+    try:
+        sliced.wait_sliced(aborted_now, sliced.never_aborted, ABORT_GRACE_S,
+                           "the wait for the round's abort")
+        return True
+    except Exception:  # noqa: BLE001 - no abort in time, no round, or the store unreadable
+        return False
