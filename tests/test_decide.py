@@ -51,6 +51,7 @@ class World:
         self.reports = 0
         self.drained = frozenset()     # elasticctl drain
         self.errors = {}        # worker id -> the error text of its failure report
+        self.replaced_failed = ()    # replaced rounds whose failure doorbell rang
 
     def facts(self, liveness=False):
         # Every member of the current round joined it unless a test says otherwise.
@@ -59,7 +60,8 @@ class World:
                      workers=dict(self.workers), exits=tuple(self.exits),
                      liveness_checked=liveness, failure_reports=self.reports,
                      failure_errors=dict(self.errors),
-                     joined=joined, stop_signal=self.stop_signal, drained=self.drained)
+                     joined=joined, stop_signal=self.stop_signal, drained=self.drained,
+                     replaced_failed=self.replaced_failed)
 
     def tick(self, now, liveness=False):
         actions = decide(self.facts(liveness), now)
@@ -345,6 +347,25 @@ def test_a_reported_collective_failure_reforms_the_round_after_a_grace_period():
         "round": 1, "errors": {"1": "process group for round 1 failed: no device"}}
     assert kinds(actions)[1:5] == ["Track", "Reform", "Abort", "MarkFailureReport"]
     assert isinstance(actions[5], Publish) and actions[5].change == ""   # same members again
+
+
+def test_a_failure_in_a_round_that_a_join_replaced_aborts_that_round():
+    """A join publishes round 2 while round 1 syncs; a peer then fails in round 1. Its other
+    members would wait there for the collective timeout while round 2 waits for them."""
+    world = World({"a": 1}, Limits(np=1, min_np=1, max_np=2))
+    world.running()
+    world.hosts.update({"a": 1, "b": 1}, 2.0)
+    world.tick(2.0)                                    # spawns worker 1 on b
+    world.ready("1", at=3.0)
+    (publish,) = world.tick(3.0 + JOIN_BATCH_S)
+    assert publish.round_id == 2 and 1 not in world.job.aborted
+    world.joined = 0                                   # round 2 waits for worker 0
+    world.replaced_failed = (1,)
+    actions = world.tick(4.0 + JOIN_BATCH_S)
+    assert kinds(actions) == ["Notice", "Abort"] and actions[1] == Abort(1)
+    assert actions[0].event == "replaced_round_aborted"
+    assert world.tick(5.0 + JOIN_BATCH_S) == []        # aborted once
+    assert world.job.round_id == 2                     # round 2 stands: nothing re-forms
 
 
 # -- removal ----------------------------------------------------------------------------------

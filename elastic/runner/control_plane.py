@@ -242,6 +242,10 @@ class DriverControl:
             looked = self._errors[round_id]
         return looked[1]
 
+    def rang(self, round_ids):
+        """The rounds among ``round_ids`` whose failure doorbell rang: one read each."""
+        return tuple(r for r in round_ids if self.store.present(Keys.failures(r)))
+
     def remote_address(self, host):
         """The store address for workers on remote ``host`` (None: per host), warning
         once when the store listens where that host cannot reach it."""

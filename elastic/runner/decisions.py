@@ -175,6 +175,7 @@ class Facts:
     joined: int = 0                     # members that joined the current round so far
     stop_signal: int | None = None      # SIGTERM/SIGINT to elasticrun
     drained: frozenset = frozenset()    # hosts `elasticctl drain` took out: their workers leave
+    replaced_failed: tuple = ()         # replaced rounds, not aborted, with a failure report
 
 
 # -- actions ----------------------------------------------------------------------------------

@@ -193,7 +193,8 @@ class Driver:
     def _quiet(self, seen, now):
         return can_skip(self.job, self.limits, now, settled_at=self._settled_at,
                         exits=seen.exits, liveness_checked=seen.liveness_checked,
-                        failure_reports=seen.failure_reports, newly_ready=self._newly_ready,
+                        failure_reports=bool(seen.failure_reports or seen.replaced_failed),
+                        newly_ready=self._newly_ready,
                         unready=seen.unready, last_spawn_at=self._last_spawn_at,
                         hosts_changed=self.hosts.version != self._decided_version,
                         stop_signal=self.stop_signal)
@@ -204,6 +205,7 @@ class Driver:
                      exits=tuple(seen.exits), liveness_checked=seen.liveness_checked,
                      failure_reports=len(seen.failure_reports), joined=seen.joined,
                      failure_errors=seen.failure_reports, stop_signal=self.stop_signal,
+                     replaced_failed=seen.replaced_failed,
                      drained=self.watch.drained)
 
     def _observe(self, now):
@@ -254,7 +256,13 @@ class Driver:
             reports = self.plane.failure_reports(job.round_id, job.rounds.get(job.round_id, ()))
         joined = self._assembly(job, now) if job.round_id else 0
         waiting = sum(1 for wid in self._unready if not self.workers[wid].stopped)
-        return Observed(exits, checked, reports, joined, waiting)
+        replaced = ()
+        if job.round_id and joined < len(job.members):
+            # Members still away may be stuck in a round this one replaced, on a peer that
+            # failed there: its report names that round (verdicts.abort_failed_replaced).
+            replaced = self.plane.rang(rid for rid in job.rounds if rid < job.round_id
+                                       and rid not in job.aborted and rid != job.final_round)
+        return Observed(exits, checked, reports, joined, waiting, replaced)
 
     def _adopt(self, now):
         records, self.job = self.adoption.take(self.cfg.backend, self.workers, self.job, now,

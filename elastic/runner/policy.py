@@ -67,7 +67,7 @@ def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_r
       settled_at       when that decide ran, if it returned no action (None: it acted)
       exits            processes reaped this tick
       liveness_checked heartbeats were read this tick (the liveness and stall rules run)
-      failure_reports  the current round's failure counter
+      failure_reports  a failure report was seen (the current round's, or a replaced one's)
       newly_ready      workers whose ready key appeared since that decide
       unready          live workers neither ready nor stopped
       last_spawn_at    when the newest worker was started (None: none yet)
@@ -167,6 +167,7 @@ class _Tick:
         self.check_liveness()
         self.check_stalls()
         verdicts.check_failure_reports(self)
+        verdicts.abort_failed_replaced(self)
         self.check_preempted()
         self.reconcile()
 

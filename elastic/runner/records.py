@@ -39,3 +39,4 @@ class Observed:
     failure_reports: dict             # worker id -> error text, of the current round
     joined: int
     unready: int                      # live workers neither ready nor stopped
+    replaced_failed: tuple = ()       # replaced, unaborted rounds whose failure doorbell rang

@@ -40,6 +40,21 @@ def check_failure_reports(tick):
         tick.emit(MarkFailureReport(None))
 
 
+def abort_failed_replaced(tick):
+    """A collective failed in a round that a newer one replaced after it assembled (a
+    join published the newer round while the older one synced): the older round's other
+    members still wait in it, and the newer round waits for them. Abort the older round so
+    they move on; the newer round, not yet run, has nothing to re-form."""
+    job = tick.job
+    for round_id in tick.facts.replaced_failed:
+        if round_id in job.aborted or round_id not in job.rounds or round_id >= job.round_id:
+            continue
+        tick.emit(Notice(f"round {round_id} failed after round {job.round_id} replaced it; "
+                         "aborting it so its members join the new round", "replaced_round_aborted",
+                         (("round", round_id), ("replaced_by", job.round_id))))
+        tick.emit(Abort(round_id))
+
+
 def failed_round(tick, round_id):
     """The current round reported a failed collective and no process died: re-form it,
     naming the cause, until repeats.group_failure decides."""
