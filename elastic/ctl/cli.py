@@ -5,10 +5,13 @@ called status". Bad input and an unreachable job end with one line on stderr
 (exit 2 for usage, 1 otherwise), never a traceback.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
 import time
+from typing import TextIO
 
 from elastic.ctl.client import Client, CtlError, find_target
 from elastic.ctl.render import render
@@ -17,7 +20,7 @@ from elastic.usage import Parser, UsageError
 CLEAR = "\x1b[H\x1b[2J"      # cursor home, clear screen
 
 
-def build_parser():
+def build_parser() -> Parser:
     p = Parser(prog="elasticctl", description="Look at and steer a running elasticrun job.")
     p.add_argument("--job", type=int, metavar="PID",
                    help="the job whose driver has this pid (when several run here)")
@@ -62,7 +65,7 @@ def _top(client, label, interval, out):
         return 0
 
 
-def run(args, out):
+def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.cmd is None:
         raise UsageError("give a command: status, top, drain HOST, stop or resize --max-np N")
     if not args.timeout > 0:
@@ -91,7 +94,7 @@ def run(args, out):
     return 0
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return run(args, sys.stdout)

@@ -1,13 +1,17 @@
 """elasticctl's end of the control store: find the job, send a sealed request, read
 the sealed answer (runner/steering.py is the driver's end)."""
 
+from __future__ import annotations
+
 import contextlib
 import os
 import secrets
 import socket
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from elastic.exceptions import ElasticError
 from elastic.protocol import ENV_SECRET_FILE, ControlStore, Doorbell, Keys, connect, ctl_key
@@ -22,7 +26,7 @@ class CtlError(ElasticError):
 
 
 @contextlib.contextmanager
-def quiet_stderr():
+def quiet_stderr() -> Iterator[None]:
     """torch's store client writes a C++ warning with a stack to fd 2 when it cannot
     connect or the job's store goes away; elasticctl says so in one line of its own."""
     sys.stderr.flush()
@@ -44,7 +48,7 @@ class Target:
     label: str             # how messages name the job
 
 
-def parse_addr(text):
+def parse_addr(text: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port)."""
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -53,7 +57,9 @@ def parse_addr(text):
     return host, int(port)
 
 
-def find_target(job=None, addr=None, secret_file=None, environ=None):
+def find_target(job: int | None = None, addr: str | None = None,
+                secret_file: str | None = None,
+                environ: Mapping[str, str] | None = None) -> Target:
     """The job to talk to: ``--addr`` with its secret, else a job file on this machine."""
     env = os.environ if environ is None else environ
     if addr:
@@ -91,7 +97,7 @@ def find_target(job=None, addr=None, secret_file=None, environ=None):
 class Client:
     """One connection to a job's control store, holding its secret."""
 
-    def __init__(self, target, timeout=10.0):
+    def __init__(self, target: Target, timeout: float = 10.0) -> None:
         self.target, self.timeout = target, timeout
         where = f"{target.address}:{target.port}"
         try:                         # a plain connect first: a refusal is told at once
@@ -122,7 +128,7 @@ class Client:
     def _get(self, key):
         return self._store(self.control.get, key)
 
-    def request(self, op, **args):
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
         """The driver's answer to one request; CtlError when it refuses or is gone."""
         name = secrets.token_hex(12)
         key, reply_key = Keys.ctl_request(name), Keys.ctl_reply(name)

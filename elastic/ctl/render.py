@@ -1,5 +1,9 @@
 """A status snapshot (runner/status.py) as the text `elasticctl status` and `top` print."""
 
+from __future__ import annotations
+
+from typing import Any
+
 ROUNDS_PRINTED = 5
 
 
@@ -35,7 +39,7 @@ def _table(rows):
     return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
-def render(status, label):
+def render(status: dict[str, Any], label: str) -> str:
     job = status["job"]
     limit = "no max" if job["max_np"] is None else f"max {job['max_np']}"
     state = "stopping" if job["stopping"] else job["phase"]

@@ -25,7 +25,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Union
 
 import cloudpickle
 
@@ -39,6 +40,9 @@ _OUTPUT_TAIL_LINES = 200
 _TERMINATE_GRACE_S = 30.0     # elasticrun stops at the next commit: --stop-timeout 20 s
 _WORKER_RE = re.compile(r"\bworker (\S+?)(?: on (\S+?))?(?=[\s;:,)]|$)")
 
+PathArg = Union[str, "os.PathLike[str]"]      # a file name, as a string or a path object
+HostsArg = Union[str, Iterable[str], Mapping[str, int]]   # "host:slots,...", entries, {host: slots}
+
 
 class LaunchError(ElasticError):
     """The launched job failed; ``str()`` says which worker and why.
@@ -50,9 +54,12 @@ class LaunchError(ElasticError):
     raised, as time.time()), ``root_cause`` (elasticrun's root-cause block, lines).
     """
 
-    def __init__(self, message, *, worker=None, host=None, rank=None, exit_code=None,
-                 error_line=None, exc_type=None, exc_message=None, remote_traceback=None,
-                 stderr_tail=None, failed_at=None, root_cause=None):
+    def __init__(self, message: str, *, worker: str | None = None, host: str | None = None,
+                 rank: int | None = None, exit_code: int | None = None,
+                 error_line: str | None = None, exc_type: str | None = None,
+                 exc_message: str | None = None, remote_traceback: str | None = None,
+                 stderr_tail: str | None = None, failed_at: float | None = None,
+                 root_cause: list[str] | None = None) -> None:
         super().__init__(message)
         self.worker = worker
         self.host = host
@@ -67,11 +74,11 @@ class LaunchError(ElasticError):
         self.root_cause = root_cause
 
 
-def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, np: int = 1,
+def launch(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, np: int = 1,
            min_np: int | None = None, max_np: int | None = None,
-           hosts: str | list | dict | None = None, discovery_script: str | None = None,
+           hosts: HostsArg | None = None, discovery_script: PathArg | None = None,
            env: dict | None = None, timeout: float | None = None, quiet: bool = False,
-           workdir: str | None = None, **elasticrun_options) -> list:
+           workdir: str | None = None, **elasticrun_options: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on every worker of an elastic job.
 
     Returns the values ``fn`` returned on the workers of the final round, as a
@@ -150,7 +157,9 @@ _HOROVOD_RENAMES = {"cooldown_range": "blacklist_cooldown_range", "use_gloo": "g
                     "use_mpi": "mpi"}
 
 
-def horovod_keywords(np, min_np, max_np, discovery_script, options):
+def horovod_keywords(np: int, min_np: int | None, max_np: int | None,
+                     discovery_script: PathArg | None, options: Mapping[str, Any],
+                     ) -> tuple[int, int | None, int | None, PathArg | None, dict[str, Any]]:
     """horovod.run's spellings onto ours; None and False are dropped, as Horovod does."""
     options = dict(options)
     given = {}
@@ -181,7 +190,8 @@ def horovod_keywords(np, min_np, max_np, discovery_script, options):
         k: v for k, v in options.items() if v is not None and v is not False}
 
 
-def elasticrun_flags(np, min_np, max_np, hosts, discovery_script, options):
+def elasticrun_flags(np: int, min_np: int | None, max_np: int | None, hosts: HostsArg | None,
+                     discovery_script: PathArg | None, options: Mapping[str, Any]) -> list[str]:
     for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):
         if (value is not None or name == "np") and (
                 isinstance(value, bool) or not isinstance(value, int)):
@@ -234,7 +244,7 @@ def _hosts_arg(hosts):
             from None
 
 
-def validate_flags(flags):
+def validate_flags(flags: Iterable[str]) -> None:
     """Check elasticrun's ``flags`` as elasticrun will (JobConfig.from_options, as the
     command line does), so bad ones fail with ValueError before anything starts."""
     from elastic.runner.cli import build_parser
@@ -248,7 +258,7 @@ def validate_flags(flags):
         raise ValueError(f"elasticrun: {exc}") from None
 
 
-def child_env(extra):
+def child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra or {})
     # The job's processes must import this same elastic package.
@@ -260,13 +270,13 @@ def child_env(extra):
     return env
 
 
-def worker_sys_path():
+def worker_sys_path() -> list[str]:
     """The caller's import path, so that functions pickled by reference (defined in
     a module of the caller's project) import on the workers too."""
     return [os.path.abspath(p or os.curdir) for p in sys.path]
 
 
-def prepare_workdir(tmp, payload):
+def prepare_workdir(tmp: str, payload: bytes) -> dict[str, str]:
     path = os.path.join(tmp, "fn.pkl")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -279,11 +289,12 @@ def prepare_workdir(tmp, payload):
 
 # -- running ------------------------------------------------------------------------------
 
-def run_elasticrun(argv, env, timeout, quiet):
+def run_elasticrun(argv: list[str], env: Mapping[str, str], timeout: float | None,
+                   quiet: bool) -> tuple[int | None, list[str]]:
     """Run elasticrun; returns (exit code or None on timeout, the tail of its stderr)."""
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    errors = collections.deque(maxlen=_OUTPUT_TAIL_LINES)
+    errors: collections.deque[str] = collections.deque(maxlen=_OUTPUT_TAIL_LINES)
     pumps = [threading.Thread(target=pump_output,
                               args=(proc.stdout, _pass_through("stdout", quiet, None)),
                               daemon=True),
@@ -348,13 +359,14 @@ def _terminate(proc):
 class Outcome:
     """What the finished job left behind: results, error records, logs, events."""
 
-    def __init__(self, results_dir, log_dir, event_log, driver_log):
+    def __init__(self, results_dir: str, log_dir: str | None, event_log: str,
+                 driver_log: Iterable[str]) -> None:
         self.results_dir = results_dir
         self.log_dir = log_dir
         self.events = _read_events(event_log)
         self.driver_log = [line for line in driver_log if line.startswith("elasticrun: ")]
 
-    def results(self, code):
+    def results(self, code: int) -> list[Any]:
         errors = [line for line in self.driver_log if line.startswith("elasticrun: error:")]
         error_line = errors[-1] if errors else None
         if code != 0:
@@ -386,7 +398,8 @@ class Outcome:
         raise self.error(why, code, named.group(1) if named else None,
                          host=named.group(2) if named else None, error_line=error_line)
 
-    def error(self, why, code, wid=None, host=None, error_line=None):
+    def error(self, why: str, code: int | None, wid: str | None = None, host: str | None = None,
+              error_line: str | None = None) -> LaunchError:
         """A LaunchError about worker ``wid``: what its function raised, what
         elasticrun said, and the tail of its stderr."""
         records = self._error_records()
@@ -422,7 +435,7 @@ class Outcome:
             remote_traceback=record.get("traceback"), stderr_tail=tail,
             failed_at=record.get("time"), root_cause=self.root_cause() or None)
 
-    def root_cause(self):
+    def root_cause(self) -> list[str]:
         """elasticrun's root-cause block: from its first line to the error line."""
         start = next((i for i, line in enumerate(self.driver_log) if " root cause" in line
                       and ": worker " in line), None)

@@ -9,6 +9,8 @@ running the function raises, the worker writes ``RESULTS/errors/<worker>.json``
 it exits non-zero as any failed training script does.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import pickle
@@ -75,7 +77,7 @@ def _load(payload_path):
     return cloudpickle.loads(payload["call"])
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         sys.stderr.write("usage: python -m elastic.launching.worker PAYLOAD RESULTS_DIR\n")

@@ -7,9 +7,12 @@ the actor writes the payload there and hands the results back through Ray,
 so no shared filesystem is needed.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 import tempfile
+from typing import Any
 
 import ray
 
@@ -24,10 +27,10 @@ def _package_root():
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]
 class AgentActor:
-    def pid(self):
+    def pid(self) -> int:
         return os.getpid()
 
-    def run(self, spec):
+    def run(self, spec: dict[str, Any]) -> tuple[int, str]:
         """Join the driver and run this node's workers until the job is over; the exit code."""
         workdir = spec["workdir"]
         try:
@@ -59,7 +62,7 @@ class AgentActor:
         finally:
             os.unlink(secret_file)
 
-    def results(self, workdir):
+    def results(self, workdir: str) -> dict[str, bytes]:
         """{relative path: bytes} of the result and error files written on this node."""
         found = {}
         top = os.path.join(workdir, "results")

@@ -12,6 +12,8 @@ A node whose agent died is not given a new one during this run: like a
 blacklisted host without a cooldown, it stays out.
 """
 
+from __future__ import annotations
+
 import logging
 import math
 import os
@@ -22,6 +24,8 @@ import socket
 import sys
 import tempfile
 import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
 import cloudpickle
 
@@ -34,6 +38,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from elastic.launching import client
 from elastic.ray.agent_actor import AgentActor
 from elastic.ray.workdir import private_tree
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
 
 log = logging.getLogger("elastic.ray")
 
@@ -56,9 +64,10 @@ class RayExecutor:
     (``elastic_timeout=60``, ``reset_limit=3``, ``worker_timeout=10``).
     """
 
-    def __init__(self, min_np=1, max_np=None, cpus_per_worker=1, gpus_per_worker=0, np=None,
-                 watch_interval=1.0, timeout=None, quiet=False, env=None,
-                 **elasticrun_options):
+    def __init__(self, min_np: int = 1, max_np: int | None = None, cpus_per_worker: float = 1,
+                 gpus_per_worker: float = 0, np: int | None = None,
+                 watch_interval: float = 1.0, timeout: float | None = None, quiet: bool = False,
+                 env: Mapping[str, str] | None = None, **elasticrun_options: Any) -> None:
         for name, value in (("cpus_per_worker", cpus_per_worker),
                             ("gpus_per_worker", gpus_per_worker)):
             if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
@@ -76,18 +85,18 @@ class RayExecutor:
         self.quiet = quiet
         self.env = dict(env or {})
         self.stop_timeout = float(elasticrun_options.get("stop_timeout", 20.0))
-        self._agents = {}          # node id -> (actor, run ref)
-        self._dead = set()         # node ids whose agent died
+        self._agents: dict[str, tuple[ActorHandle, ObjectRef]] = {}   # node id -> (actor, run ref)
+        self._dead: set[str] = set()         # node ids whose agent died
         self._lock = threading.Lock()
 
-    def agents(self):
+    def agents(self) -> dict[str, ActorHandle]:
         """{Ray node id: agent actor} of the running job (an actor's ``pid`` method
         gives its process id)."""
         with self._lock:
             return {node: actor for node, (actor, _) in self._agents.items()}
 
     # -- nodes -> agents --------------------------------------------------------------
-    def slots_of(self, resources):
+    def slots_of(self, resources: Mapping[str, float]) -> int:
         """How many workers a node with ``resources`` (Ray's dict) holds."""
         fits = []
         if self.cpus_per_worker:
@@ -143,7 +152,8 @@ class RayExecutor:
                     self._agents.pop(node, None)
 
     # -- running ------------------------------------------------------------------------
-    def run(self, fn, args=(), kwargs=None):
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] | list[Any] = (),
+            kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every worker; the final round's results by rank."""
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")

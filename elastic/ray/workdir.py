@@ -10,6 +10,8 @@ and is then made 0700; an existing fn.pkl is used only if it is a plain 0600 fil
 of this user holding exactly this job's payload. Anything else is refused.
 """
 
+from __future__ import annotations
+
 import os
 import stat
 
@@ -20,7 +22,7 @@ class UnsafeWorkdir(ElasticError):
     """The work directory or its payload is not this job's own; str() says which."""
 
 
-def private_dir(path):
+def private_dir(path: str) -> None:
     """Make ``path`` (one level) a 0700 directory of this user, or refuse."""
     try:
         os.mkdir(path, 0o700)
@@ -33,7 +35,7 @@ def private_dir(path):
         os.chmod(path, 0o700)
 
 
-def private_tree(workdir, *below):
+def private_tree(workdir: str, *below: str) -> None:
     """``workdir`` and each directory ``below`` it (relative paths), all 0700, ours."""
     private_dir(workdir)
     for rel in below:
@@ -43,7 +45,7 @@ def private_tree(workdir, *below):
             private_dir(path)
 
 
-def place_payload(workdir, payload):
+def place_payload(workdir: str, payload: bytes) -> str:
     """The path of fn.pkl in ``workdir`` holding ``payload``, written by us, or refuse."""
     path = os.path.join(workdir, "fn.pkl")
     try:
