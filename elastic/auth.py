@@ -13,11 +13,14 @@ seal a process makes, so a reader that remembers the highest SEQ it accepted
 for a key rejects a replay of an older value of that key.
 """
 
+from __future__ import annotations
+
 import hashlib
 import hmac
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from elastic.exceptions import ElasticError
 
@@ -28,7 +31,7 @@ WARN_BURST = 10          # warnings per WARN_BURST_S over all keys (a flood stay
 WARN_BURST_S = 5.0
 
 
-def _to_bytes(value):
+def _to_bytes(value: str | bytes) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
@@ -37,11 +40,11 @@ def _to_bytes(value):
 class _Sequence:
     """Process-wide, strictly increasing, and ahead of any earlier process's."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last = 0
 
-    def next(self):
+    def next(self) -> int:
         with self._lock:
             self._last = max(self._last + 1, time.time_ns())
             return self._last
@@ -57,20 +60,20 @@ class Rejected(ElasticError):
 class Sealer:
     """Seals and opens values for one job (one secret)."""
 
-    def __init__(self, secret, job=b""):
+    def __init__(self, secret: str | bytes, job: str | bytes = b"") -> None:
         self._secret = _to_bytes(secret)
         self._job = _to_bytes(job)
 
-    def _mac(self, key, seq, payload):
+    def _mac(self, key: str, seq: bytes, payload: bytes) -> bytes:
         message = b"\0".join((_VERSION, self._job, key.encode(), seq, payload))
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest().encode()
 
-    def seal(self, key, payload, seq=None):
+    def seal(self, key: str, payload: str | bytes, seq: int | None = None) -> bytes:
         payload = _to_bytes(payload)
         seq_bytes = str(seq if seq is not None else _SEQUENCE.next()).encode()
         return self._mac(key, seq_bytes, payload) + b"." + seq_bytes + b"." + payload
 
-    def open(self, key, blob):
+    def open(self, key: str, blob: str | bytes) -> tuple[int, bytes]:
         """(seq, payload) of a value sealed for ``key``; Rejected otherwise."""
         blob = _to_bytes(blob)
         mac, dot, rest = blob[:MAC_LEN], blob[MAC_LEN:MAC_LEN + 1], blob[MAC_LEN + 1:]
@@ -87,7 +90,7 @@ MIN_SECRET_BYTES = 16
 EXAMPLE_SECRETS = (b"replace-me-with-openssl-rand-hex-32",)
 
 
-def weak_secret(secret):
+def weak_secret(secret: str | bytes) -> str | None:
     """Why ``secret`` must not seal a job (too short, or an example's placeholder), or None."""
     value = _to_bytes(secret).strip()
     if value in EXAMPLE_SECRETS:
@@ -98,7 +101,7 @@ def weak_secret(secret):
     return None
 
 
-def stderr_warning(message):
+def stderr_warning(message: str) -> None:
     sys.stderr.write(f"elastic: warning: {message}\n")
     sys.stderr.flush()
 
@@ -106,14 +109,14 @@ def stderr_warning(message):
 class WarnOnce:
     """At most one warning per key per WARN_EVERY_S, and a cap over all keys."""
 
-    def __init__(self, emit=stderr_warning):
+    def __init__(self, emit: Callable[[str], None] = stderr_warning) -> None:
         self._emit = emit
         self._lock = threading.Lock()
-        self._last = {}
-        self._recent = []
+        self._last: dict[str, float] = {}
+        self._recent: list[float] = []
         self.count = 0           # every rejection, warned or not (tests read it)
 
-    def __call__(self, key, why):
+    def __call__(self, key: str, why: str) -> None:
         now = time.monotonic()
         with self._lock:
             self.count += 1

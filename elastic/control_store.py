@@ -13,15 +13,16 @@ import hmac
 import json
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
+from typing import Any, cast
 
 import torch.distributed as dist
 
 from elastic.auth import Rejected, Sealer, WarnOnce, stderr_warning
 from elastic.exceptions import ElasticError
 from elastic.secret_env import forget_env
-from elastic.store_link import RECONNECT_WITHIN_S, HealingStore, keepalive_accepted
+from elastic.store_link import RECONNECT_WITHIN_S, HealingStore, StoreCalls, keepalive_accepted
 
 ENV_SECRET = "ELASTIC_SECRET"                # protocol.py names them (and documents them)
 ENV_SECRET_FILE = "ELASTIC_SECRET_FILE"
@@ -41,7 +42,7 @@ class ControlError(ElasticError):
     """The job secret is missing, or the control store cannot be reached."""
 
 
-_SECRET_READ = None     # this process's secret, once read from (and removed from) os.environ
+_SECRET_READ: bytes | None = None     # this process's secret, once read from (and removed from) os.environ
 
 
 def read_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
@@ -70,7 +71,7 @@ def read_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
     return secret
 
 
-def _read_pipe(fd):
+def _read_pipe(fd: int) -> bytes:
     """Everything on pipe ``fd`` until it ends; then the fd is closed."""
     chunks = []
     try:
@@ -96,7 +97,8 @@ def connect(addr: str, port: int | str, timeout_s: float, is_master: bool = Fals
 
 
 def open_link(addr: str, port: int | str, timeout_s: float,
-              reconnect_within_s: float = RECONNECT_WITHIN_S, warn=stderr_warning) -> HealingStore:
+              reconnect_within_s: float = RECONNECT_WITHIN_S,
+              warn: Callable[[str], None] = stderr_warning) -> HealingStore:
     """A client connection that reconnects after a reset and has TCP keepalive
     (store_link.py); ControlStore puts the job's namespace on it."""
     return HealingStore(addr, port, timeout_s, reconnect_within_s, warn)
@@ -140,7 +142,8 @@ class ControlStore:
     outsider destroyed get it back within one heal period.
     """
 
-    def __init__(self, store: dist.Store, secret: bytes | str, warn=stderr_warning):
+    def __init__(self, store: dist.Store | HealingStore, secret: bytes | str,
+                 warn: Callable[[str], None] = stderr_warning) -> None:
         if isinstance(secret, str):
             secret = secret.encode()
         namespace = hmac.new(secret, b"elastic-namespace", hashlib.sha256).hexdigest()[:32]
@@ -149,26 +152,27 @@ class ControlStore:
         self.sealer = Sealer(secret, job=namespace)
         self.rejected = WarnOnce(warn)
         self._highest: dict[str, int] = {}
-        self._kept: dict = {}
+        self._kept: dict[str, bytes] = {}
         self.requests = 0       # store round trips and bytes read, for make scale
         self.bytes_read = 0
 
-    def rebind(self, store: dist.Store) -> None:
+    def rebind(self, store: dist.Store | HealingStore) -> None:
         """Talk over ``store`` (a new connection to the same store) from now on, keeping
         the values heal() looks after and the replay memory."""
+        self.raw: StoreCalls
         if isinstance(store, HealingStore):
             self.raw = store.with_prefix(self._namespace + "/")
-        else:
-            self.raw = dist.PrefixStore(self._namespace + "/", store)
+        else:    # torch's stubs lack the append and multi_set its stores have (StoreCalls)
+            self.raw = cast(StoreCalls, dist.PrefixStore(self._namespace + "/", store))
 
-    def put(self, key, value, keep=False):
+    def put(self, key: str, value: Any, keep: bool = False) -> None:
         blob = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())
         if keep:
             self._kept[key] = blob
         self.requests += 1
         self.raw.set(key, blob)
 
-    def put_many(self, values, keep=False):
+    def put_many(self, values: Mapping[str, Any], keep: bool = False) -> None:
         """Put {key: value} in one round trip."""
         keys = list(values)
         if not keys:
@@ -180,23 +184,23 @@ class ControlStore:
         self.requests += 1
         self.raw.multi_set(keys, blobs)
 
-    def rekeep(self, key, value):
+    def rekeep(self, key: str, value: Any) -> None:
         """Where ``key`` is healed, heal it with ``value`` from now on (sealed now, so newer
         than a copy put on another connection): the older kept value would read as a replay."""
         if key in self._kept:
             self._kept[key] = self.sealer.seal(key, json.dumps(value, sort_keys=True).encode())
 
-    def forget(self, key):
+    def forget(self, key: str) -> None:
         """Stop healing ``key`` (its value stays)."""
         self._kept.pop(key, None)
 
-    def delete(self, key):
+    def delete(self, key: str) -> None:
         """Remove ``key`` from the store (and stop healing it)."""
         self._kept.pop(key, None)
         self.requests += 1
         self.raw.delete_key(key)
 
-    def get(self, key):
+    def get(self, key: str) -> Any:
         """The verified value of ``key``; None when absent, forged or replayed."""
         blob = self.fetch(key)
         return None if blob is None else self._verify(key, blob)
@@ -211,7 +215,7 @@ class ControlStore:
             return None
         return value if isinstance(value, dict) else None
 
-    def fetch(self, key):
+    def fetch(self, key: str) -> bytes | None:
         """The bytes stored under ``key`` (unverified), or None, in one round trip."""
         self.requests += 1
         blob = bytes(self.raw.compare_set(key, _ABSENT, _ABSENT))
@@ -220,34 +224,34 @@ class ControlStore:
         self.bytes_read += len(blob)
         return blob
 
-    def get_many(self, keys):
+    def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
         """{key: verified value or None}, in one round trip when all exist."""
         keys = list(keys)
         found = self.get_present(keys)
         return {k: found.get(k) for k in keys}
 
-    def get_present(self, keys):
+    def get_present(self, keys: Iterable[str]) -> dict[str, Any]:
         """{key: verified value} for those of ``keys`` that hold one."""
-        found = {}
+        found: dict[str, Any] = {}
         for key, blob in self.raw_present(keys).items():
             value = self._verify(key, blob)
             if value is not None:
                 found[key] = value
         return found
 
-    def raw_present(self, keys):
+    def raw_present(self, keys: Iterable[str]) -> dict[str, bytes]:
         """{key: stored bytes} for those of ``keys`` that exist, unverified.
 
         Asks about whole chunks at once and splits only a chunk where some key
         is missing, so reading n keys of which m are missing takes about
         n / CHUNK + m·log(CHUNK) round trips, not n."""
         keys = list(keys)
-        blobs = {}
+        blobs: dict[str, bytes] = {}
         for i in range(0, len(keys), _CHUNK):
             self._read_chunk(keys[i:i + _CHUNK], blobs)
         return blobs
 
-    def _read_chunk(self, keys, blobs):
+    def _read_chunk(self, keys: list[str], blobs: dict[str, bytes]) -> None:
         if not keys:
             return
         if len(keys) == 1:
@@ -273,24 +277,24 @@ class ControlStore:
             for key in keys:           # few left: one look each beats halving further
                 self._read_chunk([key], blobs)
 
-    def has(self, key):
+    def has(self, key: str) -> bool:
         return self.get(key) is not None
 
-    def keys(self):
+    def keys(self) -> list[str]:
         """Every key under the job's namespace (what any client can list too)."""
         return list(self.raw.list_keys())
 
-    def present(self, key):
+    def present(self, key: str) -> bool:
         """Whether anything at all is stored under ``key`` (verified or not)."""
         self.requests += 1
         return self.raw.check([key])
 
     @property
-    def kept(self):
+    def kept(self) -> int:
         """How many values heal() looks after."""
         return len(self._kept)
 
-    def heal(self):
+    def heal(self) -> int:
         """Put back every kept value that is missing or was overwritten."""
         kept = list(self._kept.items())
         if not kept:
@@ -304,7 +308,7 @@ class ControlStore:
                 healed += 1
         return healed
 
-    def _verify(self, key, blob):
+    def _verify(self, key: str, blob: bytes) -> Any:
         if not blob:
             return None
         try:
@@ -335,7 +339,7 @@ class Doorbell:
     verification) or wipe the list (the reader's slow full look, every few
     seconds, still finds every sealed key)."""
 
-    def __init__(self, store: ControlStore, key: str):
+    def __init__(self, store: ControlStore, key: str) -> None:
         self.store, self.key = store, key
         self._offset = 0
 
@@ -343,7 +347,7 @@ class Doorbell:
         self.store.requests += 1
         self.store.raw.append(self.key, f"{name}\n".encode())
 
-    def new_names(self) -> list:
+    def new_names(self) -> list[str]:
         """Names rung since the last call (all of them again if the list was rewritten)."""
         blob = self.store.fetch(self.key)
         if blob is None:

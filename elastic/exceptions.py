@@ -27,7 +27,7 @@ class HostsUpdatedInterrupt(ElasticError):
     Nothing failed, so the run loop joins the next round without a restore.
     """
 
-    def __init__(self, skip_sync=False):
+    def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
 
@@ -41,9 +41,9 @@ class StopTraining(SystemExit):
     exit hook writes the last commit on rank 0.
     """
 
-    def __init__(self, why):
+    def __init__(self, why: str) -> None:
         super().__init__(0)
         self.why = why
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.why

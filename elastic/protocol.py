@@ -234,12 +234,12 @@ class Keys:
         return f"state/{kind}/spec"
 
     @staticmethod
-    def fatal(worker_id):
+    def fatal(worker_id: int | str) -> str:
         """The one line of an error that stops the job, not a host fault (worker/fatal.py)."""
         return f"worker/{worker_id}/fatal"
 
     @staticmethod
-    def leaving(worker_id):
+    def leaving(worker_id: int | str) -> str:
         """Set by a worker that got SIGTERM: it leaves at its next commit (preempted)."""
         return f"worker/{worker_id}/leaving"
 
@@ -248,12 +248,12 @@ class Keys:
     CTL_INBOX = "ctl/inbox"                # Doorbell: names of elasticctl's requests
 
     @staticmethod
-    def ctl_request(name):
+    def ctl_request(name: str) -> str:
         """Sealed {"op": "status"|"drain"|"stop"|"resize", ...} from elasticctl."""
         return f"ctl/request/{name}"
 
     @staticmethod
-    def ctl_reply(name):
+    def ctl_reply(name: str) -> str:
         """The driver's sealed answer to request ``name``."""
         return f"ctl/reply/{name}"
 
@@ -263,7 +263,7 @@ class Keys:
 HELLO_KEY = "elastic/serve/hello"   # raw, outside the namespace: lets a wrong secret be told apart
 
 
-def worker_key(secret):
+def worker_key(secret: str | bytes) -> str:
     """The secret workers hold: derived from the job secret, which only the driver and
     the agents hold. Workers' keys live in its namespace and carry its seals; an
     agent obeys only requests sealed with the job secret, so a compromised worker
@@ -273,7 +273,7 @@ def worker_key(secret):
     return hmac.new(secret, b"elastic-worker-key", hashlib.sha256).hexdigest()
 
 
-def ctl_key(secret):
+def ctl_key(secret: str | bytes) -> str:
     """The key elasticctl seals its requests with: derived from the job secret under a
     label of its own. Workers hold only ``worker_key``, so a compromised worker cannot
     drain, stop or resize the job (the driver reads requests only under this key)."""
@@ -282,12 +282,12 @@ def ctl_key(secret):
     return hmac.new(secret, b"elastic-ctl-key", hashlib.sha256).hexdigest()
 
 
-def job_keys(secret):
+def job_keys(secret: str) -> tuple[str, str]:
     """(the job secret, the workers' key)."""
     return secret, worker_key(secret)
 
 
-def serve_proof(secret, nonce):
+def serve_proof(secret: str | bytes, nonce: str) -> str:
     """What a serving driver publishes with ``nonce``: an agent holding the same
     secret recomputes it, so a wrong --secret-file is refused at once."""
     if isinstance(secret, str):
@@ -295,7 +295,7 @@ def serve_proof(secret, nonce):
     return hmac.new(secret, b"elastic-serve\0" + nonce.encode(), hashlib.sha256).hexdigest()
 
 
-def agent_name(secret, token):
+def agent_name(secret: str | bytes, token: str) -> str:
     """An agent's name in the store: a random token and its tag, an HMAC of the token.
 
     Agents never claim a shared counter or slot an outsider could squat ahead of
@@ -308,7 +308,7 @@ def agent_name(secret, token):
     return f"{token}-{tag}"
 
 
-def is_agent_name(secret, name):
+def is_agent_name(secret: str | bytes, name: str) -> bool:
     token, sep, _ = name.rpartition("-")
     return bool(sep) and hmac.compare_digest(agent_name(secret, token), name)
 
@@ -321,18 +321,18 @@ class AgentKeys:
     PREFIX = "agent/"
 
     @staticmethod
-    def bye(name):
+    def bye(name: str) -> str:
         """The agent saw FINISHED and stops: the driver may exit."""
         return f"agent/{name}/bye"
 
     @staticmethod
-    def info(name):
+    def info(name: str) -> str:
         """{"host", "slots", "pid"}: the agent's registration; after a driver restart also
         {"workers": {id: pid}, "nonce"}: the live workers a restarted driver adopts."""
         return f"agent/{name}/info"
 
     @staticmethod
-    def registered(key):
+    def registered(key: str) -> str | None:
         """The agent name in an ``info`` key (as list_keys shows it), else None."""
         if key.startswith(AgentKeys.PREFIX) and key.endswith("/info"):
             name = key[len(AgentKeys.PREFIX):-len("/info")]
@@ -340,33 +340,33 @@ class AgentKeys:
         return None
 
     @staticmethod
-    def accepted(name):
+    def accepted(name: str) -> str:
         """{"ok": true} or {"ok": false, "reason": ...}: the driver's answer."""
         return f"agent/{name}/accepted"
 
     @staticmethod
-    def beat(name):
+    def beat(name: str) -> str:
         """{"seq", "draining", "received"}: the agent is alive, whether it is leaving, and
         how many requests it has read (those may go)."""
         return f"agent/{name}/beat"
 
     @staticmethod
-    def ack(name):
+    def ack(name: str) -> str:
         """{"seq"}: the driver read the agent's beat ``seq``: a fresh proof, which an
         outsider holding the port cannot forge, that the driver is there."""
         return f"agent/{name}/ack"
 
     @staticmethod
-    def request(name, seq):
+    def request(name: str, seq: int) -> str:
         """Driver -> agent, in order: {"op": "spawn"|"kill", "worker_id", ...}."""
         return f"agent/{name}/to/{seq}"
 
     @staticmethod
-    def read(name):
+    def read(name: str) -> str:
         """{"reports": n}: the driver has read the agent's reports up to n (they may go)."""
         return f"agent/{name}/read"
 
     @staticmethod
-    def report(name, seq):
+    def report(name: str, seq: int) -> str:
         """Agent -> driver, in order: {"out": [[worker, stream, line]], "exits": [[worker, code]]}."""
         return f"agent/{name}/from/{seq}"

@@ -11,9 +11,10 @@ with ``*`` of the same length. Linux only; elsewhere only unsetenv happens.
 
 import ctypes
 import os
+from collections.abc import Iterable
 
 
-def _env_block():
+def _env_block() -> tuple[int, int] | None:
     """(start, end) addresses of this process's initial environment block, or None."""
     try:
         with open("/proc/self/stat", "rb") as f:
@@ -24,7 +25,7 @@ def _env_block():
         return None
 
 
-def _wipe(names):
+def _wipe(names: Iterable[str]) -> None:
     block = _env_block()
     if block is None or block[1] <= block[0]:
         return
@@ -44,7 +45,7 @@ def _wipe(names):
             offset = value_end + 1
 
 
-def forget_env(names):
+def forget_env(names: Iterable[str]) -> None:
     """Remove ``names`` from os.environ (children do not inherit them) and blank their
     values in /proc/self/environ."""
     try:

@@ -32,9 +32,14 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch.distributed as dist
+
+# A test on (local, peer) addresses, each as (host, port).
+AddressTest = Callable[[tuple[str, int], tuple[str, int]], bool]
 
 RECONNECT_WITHIN_S = 120.0     # how long a call keeps trying to reach the store again
 KEEPALIVE_IDLE_S = 60          # well below kube-proxy's 900 s and cloud LBs' 350 s
@@ -43,13 +48,13 @@ KEEPALIVE_PROBES = 4
 WARN_EVERY_S = 60.0
 _BACKOFF_MAX_S = 2.0
 
-_warned: dict = {}
+_warned: dict[str, float] = {}
 _warned_lock = threading.Lock()
 _CPP_ERROR_LEVEL = 2           # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
-_quieted: list = []
+_quieted: list[bool] = []
 
 
-def quiet_cpp_warnings(environ=os.environ) -> bool:
+def quiet_cpp_warnings(environ: Mapping[str, str] = os.environ) -> bool:
     """Raise c10's log level to ERROR in this process, once, unless the user chose a
     level (TORCH_CPP_LOG_LEVEL). Returns whether the level is ERROR or above now."""
     if "TORCH_CPP_LOG_LEVEL" in environ:
@@ -59,7 +64,7 @@ def quiet_cpp_warnings(environ=os.environ) -> bool:
     return _quieted[0]
 
 
-def _set_cpp_log_level(level):
+def _set_cpp_log_level(level: int) -> bool:
     """Set FLAGS_caffe2_log_level in the loaded libc10 (False where it is not found)."""
     import torch
     for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
@@ -72,7 +77,7 @@ def _set_cpp_log_level(level):
     return False
 
 
-def _warn_once(where, message, warn):
+def _warn_once(where: str, message: str, warn: Callable[[str], None]) -> None:
     now = time.monotonic()
     with _warned_lock:
         if now - _warned.get(where, -WARN_EVERY_S) < WARN_EVERY_S:
@@ -90,7 +95,7 @@ def set_keepalive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def _socket_fds():
+def _socket_fds() -> list[int]:
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -105,7 +110,7 @@ def _socket_fds():
     return fds
 
 
-def _matching(fd, want):
+def _matching(fd: int, want: AddressTest) -> socket.socket | None:
     """Whether ``fd`` is a TCP socket for which ``want(local, peer)`` holds."""
     try:
         dup = socket.socket(fileno=os.dup(fd))
@@ -128,11 +133,11 @@ def _matching(fd, want):
     return None
 
 
-def _same_port(port):
+def _same_port(port: int | str) -> AddressTest:
     return lambda local, peer: int(peer[1]) == int(port)
 
 
-def keepalive_where(want) -> int:
+def keepalive_where(want: AddressTest) -> int:
     """Keepalive on each of this process's TCP sockets for which ``want(local, peer)``
     holds (addresses as (host, port)); returns how many it set. Linux only (/proc)."""
     count = 0
@@ -170,7 +175,7 @@ def keepalive_enabled(sock_fd: int) -> bool:
         dup.close()
 
 
-def driver_refuses(addr, port, timeout_s=2.0) -> bool:
+def driver_refuses(addr: str, port: int | str, timeout_s: float = 2.0) -> bool:
     """True when ``addr`` answers but nothing listens on ``port`` (the driver is gone);
     False when it accepts, or does not answer at all (a network problem)."""
     try:
@@ -182,10 +187,27 @@ def driver_refuses(addr, port, timeout_s=2.0) -> bool:
         return False
 
 
+class StoreCalls(Protocol):
+    """The store calls elastic makes on a connection to the driver's store: a
+    HealingStore, or torch's PrefixStore over a plain TCPStore client (whose stubs lack
+    ``append`` and ``multi_set`` and take str values only, though bytes work)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes: ...
+    def append(self, key: str, value: str | bytes) -> None: ...
+    def delete_key(self, key: str) -> bool: ...
+    def list_keys(self) -> list[str]: ...
+    def num_keys(self) -> int: ...
+
+
 class _Connection:
     """The current TCPStore client to one address, remade when it breaks."""
 
-    def __init__(self, addr, port, timeout_s):
+    def __init__(self, addr: str, port: int | str, timeout_s: float) -> None:
         quiet_cpp_warnings()
         self.addr, self.port, self.timeout_s = addr, int(port), float(timeout_s)
         self.lock = threading.Lock()
@@ -193,14 +215,15 @@ class _Connection:
         self.store = self._open(self.timeout_s)
         self.reconnects = 0
 
-    def _open(self, timeout_s):
+    def _open(self, timeout_s: float) -> dist.TCPStore:
         store = dist.TCPStore(self.addr, self.port, is_master=False,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
                               use_libuv=True)
         keepalive_to(self.port)
         return store
 
-    def reopen(self, failed_generation, deadline, warn, error):
+    def reopen(self, failed_generation: int, deadline: float, warn: Callable[[str], None],
+               error: Exception) -> None:
         """A fresh client (unless another thread made one already), by ``deadline``."""
         with self.lock:
             if self.generation != failed_generation:
@@ -224,7 +247,7 @@ class _Connection:
                     pause = min(pause * 2, _BACKOFF_MAX_S)
 
 
-def _stderr(message):
+def _stderr(message: str) -> None:
     import sys
     sys.stderr.write(f"elastic: warning: {message}\n")
     sys.stderr.flush()
@@ -237,28 +260,31 @@ class HealingStore:
     new connection itself: its own loop decides when the driver is gone).
     """
 
-    def __init__(self, addr, port, timeout_s, reconnect_within_s=RECONNECT_WITHIN_S,
-                 warn=_stderr, *, _conn=None, _prefix=""):
+    def __init__(self, addr: str, port: int | str, timeout_s: float,
+                 reconnect_within_s: float = RECONNECT_WITHIN_S,
+                 warn: Callable[[str], None] = _stderr, *, _conn: _Connection | None = None,
+                 _prefix: str = "") -> None:
         self._conn = _conn or _Connection(addr, port, timeout_s)
         self._prefix = _prefix
         self._within = float(reconnect_within_s)
         self._warn = warn
-        self._view = None            # (generation, the store or PrefixStore over it)
+        self._view: tuple[int, dist.Store] | None = None   # (generation, the store or PrefixStore over it)
 
-    def with_prefix(self, prefix):
+    def with_prefix(self, prefix: str) -> HealingStore:
         """The same connection, every key under ``prefix``."""
-        return HealingStore(None, None, None, self._within, self._warn, _conn=self._conn,
+        conn = self._conn
+        return HealingStore(conn.addr, conn.port, conn.timeout_s, self._within, self._warn, _conn=conn,
                             _prefix=self._prefix + prefix)
 
     @property
-    def reconnects(self):
+    def reconnects(self) -> int:
         return self._conn.reconnects
 
     @property
-    def port(self):
+    def port(self) -> int:
         return self._conn.port
 
-    def _current(self):
+    def _current(self) -> tuple[int, dist.Store]:
         conn = self._conn
         view = self._view
         if view is None or view[0] != conn.generation:
@@ -268,8 +294,8 @@ class HealingStore:
             self._view = view
         return view
 
-    def _call(self, name, *args):
-        deadline = None
+    def _call(self, name: str, *args: Any) -> Any:
+        deadline: float | None = None
         while True:
             generation, store = self._current()
             try:
@@ -282,40 +308,40 @@ class HealingStore:
                 self._conn.reopen(generation, deadline, self._warn, exc)
 
     # -- the Store calls elastic makes ----------------------------------------------------
-    def set(self, key, value):
+    def set(self, key: str, value: str | bytes) -> None:
         return self._call("set", key, value)
 
-    def get(self, key):
+    def get(self, key: str) -> bytes:
         return self._call("get", key)
 
-    def check(self, keys):
+    def check(self, keys: list[str]) -> bool:
         return self._call("check", keys)
 
-    def multi_get(self, keys):
+    def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call("multi_get", keys)
 
-    def multi_set(self, keys, values):
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
         return self._call("multi_set", keys, values)
 
-    def compare_set(self, key, expected, desired):
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         return self._call("compare_set", key, expected, desired)
 
-    def append(self, key, value):
+    def append(self, key: str, value: str | bytes) -> None:
         return self._call("append", key, value)
 
-    def add(self, key, amount):
+    def add(self, key: str, amount: int) -> int:
         return self._call("add", key, amount)
 
-    def delete_key(self, key):
+    def delete_key(self, key: str) -> bool:
         return self._call("delete_key", key)
 
-    def list_keys(self):
+    def list_keys(self) -> list[str]:
         return self._call("list_keys")
 
-    def num_keys(self):
+    def num_keys(self) -> int:
         return self._call("num_keys")
 
-    def wait(self, keys, timeout=None):
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if timeout is None:
             return self._call("wait", keys)
         return self._call("wait", keys, timeout)

@@ -22,12 +22,6 @@ NOT_YET_HINTED = (
     "elastic/checkpoint",
     "elastic/worker",
     "elastic/training",
-    "elastic/protocol.py",
-    "elastic/store_link.py",
-    "elastic/control_store.py",
-    "elastic/auth.py",
-    "elastic/exceptions.py",
-    "elastic/secret_env.py",
 )
 
 
