@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -45,6 +45,7 @@ from elastic.worker import fatal
 
 if TYPE_CHECKING:
     from elastic.state.snapshot import Snapshot
+    from elastic.state.states import State
     from elastic.worker.round_view import RoundView
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class Checkpointer:
         self.resumed_from = None     # {"version", "path"} once a checkpoint was loaded
         self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
                       "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
-        self._state = None
+        self._state: State | None = None
         self._round: RoundView | None = None   # the RoundView of the last sync (None: standalone)
         self._world_size = 1
         self._lock = DirectoryLock(self.directory, job_id(id(self)))
@@ -136,7 +137,7 @@ class Checkpointer:
         return self._lock.held
 
     # -- hooks called by State ------------------------------------------------------------
-    def before_sync(self, state, view: RoundView | None = None) -> None:
+    def before_sync(self, state: State, view: RoundView | None = None) -> None:
         """Rank 0 of ``view``'s round (or a state alone, ``view`` None): take the lock,
         and in a fresh job load the newest good checkpoint.
 
@@ -429,7 +430,7 @@ class Checkpointer:
             self._lock.release()
 
 
-def resolve(checkpoint):
+def resolve(checkpoint: Checkpointer | str | os.PathLike | bool | None) -> Checkpointer | None:
     """The Checkpointer a TorchState uses: the one given, else $ELASTIC_CHECKPOINT_DIR's."""
     if checkpoint is False:
         return None
@@ -443,7 +444,7 @@ def resolve(checkpoint):
     return checkpoint
 
 
-def load(directory):
+def load(directory: str | os.PathLike) -> tuple[int, Any] | None:
     """(version, tree) of the newest good checkpoint in ``directory``, or None.
 
     ``tree`` is what the state captured: ``tree["model"]`` and ``tree["optimizer"]``

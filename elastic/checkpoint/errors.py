@@ -1,5 +1,9 @@
 """What can go wrong with a checkpoint, by kind: the store treats each differently."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 from elastic.exceptions import ElasticError
 
 
@@ -13,7 +17,7 @@ class CorruptCheckpoint(CheckpointError):
     The only kind that quarantines files (renamed ``*.corrupt``, never deleted).
     """
 
-    def __init__(self, message, bad_blobs=()):
+    def __init__(self, message: str, bad_blobs: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.bad_blobs = list(bad_blobs)
 
@@ -33,6 +37,6 @@ class Unreadable(CheckpointError):
     missing...). Says nothing about its content: the checkpoint is skipped for this
     load and nothing is renamed."""
 
-    def __init__(self, message, cause=None):
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.cause = cause

@@ -25,12 +25,16 @@ is skipped for this load (storage.py). Pruning keeps the newest K manifests and
 deletes only blobs that none of them names.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
 import pickle
 import re
 import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Union
 
 import torch
 import xxhash
@@ -52,17 +56,19 @@ SMALL_BYTES = 64 * 1024      # tensors below this are packed into one blob per c
 ALIGN = 64
 _MANIFEST = re.compile(r"^ckpt-(\d{12})\.json$")
 _BLOB_NAME = re.compile(r"^(?:[0-9a-f]{32}|[0-9a-f]{64})$")
+Bytes = Union[bytes, bytearray, memoryview]     # what the hashes read
+Warn = Callable[[str], None]                    # reports one line (a warning)
 
 
-def manifest_path(directory, version):
+def manifest_path(directory: str, version: int) -> str:
     return os.path.join(directory, f"ckpt-{int(version):012d}.json")
 
 
-def blob_path(directory, name):
+def blob_path(directory: str, name: str) -> str:
     return os.path.join(directory, BLOBS, name)
 
 
-def list_checkpoints(directory):
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """[(version, manifest path)] of the visible checkpoints, oldest first."""
     names = storage.listdir(directory)
     found = [(int(m.group(1)), os.path.join(directory, n))
@@ -70,30 +76,30 @@ def list_checkpoints(directory):
     return sorted(found)
 
 
-def sha256_hex(data):
+def sha256_hex(data: Bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def content_name(data):
+def content_name(data: Bytes) -> str:
     """A blob's name: the xxh3-128 of its bytes. About 15x faster than sha256 here (the
     writer then runs at disk speed) and it releases the GIL; not cryptographic, which
     content addressing of a directory one trusts (see the pickled skeleton) does not need."""
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def blob_checks(name, data):
+def blob_checks(name: str, data: Bytes) -> bool:
     """Whether ``data`` hashes to ``name``: xxh3-128 for 32 hex digits, sha256 for 64."""
     return (content_name(data) if len(name) == 32 else sha256_hex(data)) == name
 
 
-def encode_manifest(body):
+def encode_manifest(body: dict[str, Any]) -> bytes:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return json.dumps({"body": body, "sha256": sha256_hex(canonical.encode())},
                       sort_keys=True, indent=1).encode()
 
 
 # -- reading ----------------------------------------------------------------------------------
-def read_manifest(path):
+def read_manifest(path: str) -> dict[str, Any]:
     """The verified body of a manifest; CorruptCheckpoint when what was read does not
     verify, Unreadable when it could not be read (after retries)."""
     raw = storage.read_bytes(path)
@@ -125,7 +131,7 @@ def _read_blob(directory, name, size):
     return data
 
 
-def read_checkpoint(directory, body, bad_blobs=()):
+def read_checkpoint(directory: str, body: dict[str, Any], bad_blobs: Iterable[str] = ()) -> Any:
     """Read and verify every blob of a manifest body; return the state tree.
 
     A blob in ``bad_blobs`` (found corrupt earlier in the same load) makes the
@@ -141,8 +147,8 @@ def read_checkpoint(directory, body, bad_blobs=()):
     except Exception as exc:  # noqa: BLE001 - a renamed class, a missing module, a new library
         raise Unusable(f"its objects do not unpickle here ({exc.__class__.__name__}: "
                        f"{' '.join(str(exc).split())[:200]})") from None
-    tensors = [None] * len(body["tensors"])
-    by_blob = {}
+    tensors: list[Any] = [None] * len(body["tensors"])     # every slot is filled below
+    by_blob: dict[str, list[int]] = {}
     for i, e in enumerate(body["tensors"]):
         by_blob.setdefault(e["blob"], []).append(i)
     for name, indices in by_blob.items():
@@ -162,7 +168,8 @@ def read_checkpoint(directory, body, bad_blobs=()):
     return join(skeleton, tensors)
 
 
-def load_newest(directory, warn=None, quarantine=False):
+def load_newest(directory: str, warn: Warn | None = None,
+                quarantine: bool = False) -> tuple[int, Any, str] | None:
     """(version, tree, path) of the newest checkpoint that verifies and loads, or None.
 
     Each newer one that fails is reported through ``warn``. A corrupt one (its
@@ -179,11 +186,13 @@ def load_newest(directory, warn=None, quarantine=False):
     return next(candidates(directory, warn, quarantine, skipped), None)
 
 
-def candidates(directory, warn=None, quarantine=False, unusable=None):
+def candidates(directory: str, warn: Warn | None = None, quarantine: bool = False,
+               unusable: Callable[[int, str, Unusable], None] | None = None,
+               ) -> Iterator[tuple[int, Any, str]]:
     """Yield (version, tree, path) of each checkpoint that verifies and unpickles, newest
     first (corrupt and unreadable ones as ``load_newest`` says); an Unusable one is
     handed to ``unusable(version, path, exc)`` and skipped."""
-    bad = set()
+    bad: set[str] = set()
     for version, path in reversed(list_checkpoints(directory)):
         try:
             tree = read_checkpoint(directory, read_manifest(path), bad)
@@ -220,7 +229,7 @@ def _rename_quietly(path):
 
 
 # -- housekeeping -----------------------------------------------------------------------------
-def remove_temps(directory):
+def remove_temps(directory: str) -> None:
     """Delete the temp files of writes that died (only the lock holder may call this)."""
     for folder in (directory, os.path.join(directory, BLOBS)):
         try:
@@ -235,7 +244,7 @@ def remove_temps(directory):
                     pass
 
 
-def prune(directory, keep):
+def prune(directory: str, keep: int) -> int:
     """Keep the newest ``keep`` manifests; delete blobs that none of them names.
 
     Returns the number of blobs deleted. If a kept manifest cannot be read, no

@@ -7,6 +7,8 @@ exit; a different job waits only briefly (a killed predecessor's workers may
 still be dying) and then gets CheckpointDirectoryInUse.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
@@ -21,7 +23,7 @@ SAME_JOB_WAIT_S = 600.0
 
 
 class CheckpointDirectoryInUse(CheckpointError):
-    def __init__(self, directory, same_job=False):
+    def __init__(self, directory: str, same_job: bool = False) -> None:
         super().__init__(f"checkpoint directory {directory} is in use by "
                          + ("an earlier writer of this job" if same_job else "another job"))
         self.directory = directory
@@ -43,16 +45,16 @@ def _file_lock(path, mode):
 
 
 class DirectoryLock:
-    def __init__(self, directory, job_id):
+    def __init__(self, directory: str, job_id: str) -> None:
         self.directory = directory
         self.job_id = job_id
         self._lock = None
 
     @property
-    def held(self):
+    def held(self) -> bool:
         return self._lock is not None
 
-    def acquire(self, other_job_wait_s, same_job_wait_s=SAME_JOB_WAIT_S):
+    def acquire(self, other_job_wait_s: float, same_job_wait_s: float = SAME_JOB_WAIT_S) -> None:
         """Take the lock, waiting as long as its holder's job allows; raises
         CheckpointDirectoryInUse when it stays busy, OSError when the directory
         cannot hold a lock (no flock, no space, no permission)."""
@@ -95,7 +97,7 @@ class DirectoryLock:
             os.close(fd)
         os.replace(owner + ".tmp", owner)
 
-    def release(self):
+    def release(self) -> None:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             try:
@@ -112,7 +114,7 @@ class DirectoryLock:
             return {}
 
 
-def job_id(salt):
+def job_id(salt: object) -> str:
     """The same for every worker of one elasticrun job; ``salt`` makes it unique standalone."""
     try:
         secret = control.read_secret_from_env() if os.environ.get(control.ENV_ADDR) else None

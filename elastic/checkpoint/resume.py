@@ -16,9 +16,17 @@ lands above them: an unusable checkpoint is never buried under newer-numbered wr
 that a later rerun would again skip.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from elastic import protocol
 from elastic.checkpoint import format as store
 from elastic.exceptions import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.checkpoint.format import Warn
+    from elastic.state.states import State
 
 CHOICES = ("previous", "stop")
 
@@ -27,7 +35,7 @@ class Refused(ElasticError):
     """No checkpoint to resume from although some exist (str(): the one line)."""
 
 
-def choice(value):
+def choice(value: str | None) -> str:
     """The --on-unusable-checkpoint choice; ValueError names a bad one."""
     value = value or "previous"
     if value not in CHOICES:
@@ -36,7 +44,8 @@ def choice(value):
     return value
 
 
-def newest_usable(directory, state, unusable, warn, quarantine=False):
+def newest_usable(directory: str, state: State, unusable: str, warn: Warn,
+                  quarantine: bool = False) -> tuple[int, str, int] | None:
     """Adopt the newest checkpoint of ``directory`` that loads into ``state``; returns
     (its version, its path, the version now adopted: the newest on disk) or None when
     there is none. Raises Refused when checkpoints exist but none may be used."""
@@ -46,7 +55,7 @@ def newest_usable(directory, state, unusable, warn, quarantine=False):
     newest = on_disk[-1][0]
     skipped = []              # (path, why) of unusable checkpoints, newest first
 
-    def note(_version, path, exc):
+    def note(_version: int, path: str, exc: Exception | str) -> None:
         skipped.append((path, str(exc)))
 
     for version, tree, path in store.candidates(directory, warn, quarantine, note):

@@ -16,20 +16,26 @@
   name is written again, which replaces it with the same bytes.
 """
 
+from __future__ import annotations
+
 import os
 import stat
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from elastic.checkpoint.errors import Unreadable
 
 RETRY_DELAYS_S = (0.05, 0.2, 0.8)     # then give up on this file for this load
 _sleep = time.sleep                   # tests replace it to act between attempts
+T = TypeVar("T")
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-def retrying(fn, what, delays=RETRY_DELAYS_S, sleep=None):
+def retrying(fn: Callable[[], T], what: str, delays: Sequence[float] = RETRY_DELAYS_S,
+             sleep: Callable[[float], None] | None = None) -> T:
     """``fn()``, retried after each delay while it raises OSError; then ``Unreadable``."""
     sleep = sleep or _sleep
     for attempt in range(len(delays) + 1):
@@ -48,7 +54,7 @@ def _describe(exc):
     return f"{name}" + (f" [{exc.errno}]" if exc.errno else "")
 
 
-def read_bytes(path):
+def read_bytes(path: str) -> bytearray:
     """A file's bytes, with retries (``Unreadable`` once they are used up)."""
     def read():
         with open(path, "rb") as f:
@@ -56,7 +62,7 @@ def read_bytes(path):
     return retrying(read, f"cannot read {os.path.basename(path)}")
 
 
-def listdir(path):
+def listdir(path: str) -> list[str]:
     """``os.listdir`` with retries; a missing directory is empty."""
     def ls():
         try:
@@ -67,7 +73,7 @@ def listdir(path):
 
 
 # -- permissions --------------------------------------------------------------------------
-def make_dir(path, like=None):
+def make_dir(path: str, like: str | None = None) -> None:
     """Create ``path`` (0700, or the mode of the existing directory ``like``) if missing.
 
     An existing directory is left as it is.
@@ -90,7 +96,7 @@ def make_dir(path, like=None):
     os.chmod(path, mode)     # mkdir's mode is masked by the umask; this is what we mean
 
 
-def file_mode(directory):
+def file_mode(directory: str) -> int:
     """0600, plus the group/other read bits that ``directory`` grants."""
     try:
         granted = stat.S_IMODE(os.stat(directory).st_mode)
@@ -99,7 +105,7 @@ def file_mode(directory):
     return FILE_MODE | (granted & 0o044)
 
 
-def create_file(path, mode):
+def create_file(path: str, mode: int) -> int:
     """Open ``path`` for writing, created with exactly ``mode`` (not masked by the umask)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
@@ -116,23 +122,23 @@ _known: dict[str, dict[str, int]] = {}   # absolute directory -> {blob name: siz
 _known_mu = threading.Lock()
 
 
-def remember_blob(directory, name, size):
+def remember_blob(directory: str, name: str, size: int) -> None:
     """Record that blob ``name`` of ``size`` bytes in ``directory`` holds good content."""
     with _known_mu:
         _known.setdefault(os.path.abspath(directory), {})[name] = size
 
 
-def forget_blob(directory, name):
+def forget_blob(directory: str, name: str) -> None:
     with _known_mu:
         _known.get(os.path.abspath(directory), {}).pop(name, None)
 
 
-def forget_directory(directory):
+def forget_directory(directory: str) -> None:
     """Trust nothing in ``directory`` any more (as a fresh process would)."""
     with _known_mu:
         _known.pop(os.path.abspath(directory), None)
 
 
-def is_known_good(directory, name, size):
+def is_known_good(directory: str, name: str, size: int) -> bool:
     with _known_mu:
         return _known.get(os.path.abspath(directory), {}).get(name) == size

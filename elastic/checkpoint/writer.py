@@ -12,12 +12,16 @@ any point leaves at most temp files and unreferenced blobs, never a manifest
 that names a missing or partial file.
 """
 
+from __future__ import annotations
+
 import os
 import pickle
 import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,8 +38,10 @@ from elastic.checkpoint.format import (
 )
 
 
-def write_checkpoint(directory, version, skeleton, tensors, released=None, info=None,
-                     hold_s=0.0, delay_s=0.0):
+def write_checkpoint(directory: str, version: int, skeleton: Any, tensors: Sequence[torch.Tensor],
+                     released: Callable[[int | None], None] | None = None,
+                     info: dict[str, Any] | None = None, hold_s: float = 0.0,
+                     delay_s: float = 0.0) -> dict[str, Any]:
     """Write the checkpoint of commit ``version``; return what it cost.
 
     ``released(i)`` says that tensor i is no longer read (possibly called from
@@ -197,13 +203,14 @@ class _IOThread:
             raise self._error
 
 
-def byte_view(t):
+def byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy (snapshot buffers are contiguous host tensors)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy())
+    # numpy's stubs give ndarray __buffer__ only for Python 3.12+; it is a buffer on any.
+    return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _write_file(path, data, done, mode=storage.FILE_MODE, durable=True):

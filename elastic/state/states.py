@@ -41,7 +41,7 @@ class State:
     ``RoundView.committed``).
     """
 
-    _checkpoint = None   # an elastic.Checkpointer (see TorchState), or None
+    _checkpoint: Checkpointer | None = None   # an elastic.Checkpointer (see TorchState), or None
 
     def __init__(self):
         self._reset_callbacks = []
