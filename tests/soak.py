@@ -59,8 +59,9 @@ GROUP_BACKSTOP_S = 30       # the soak job's ELASTIC_COLLECTIVE_TIMEOUT
 
 
 class Soak:
-    def __init__(self, workdir, changes, seed, driver_stops=1):
+    def __init__(self, workdir, changes, seed, driver_stops=1, still_s=0.0):
         self.dir = Path(workdir)
+        self.still_s = still_s      # settle(): fds and threads must hold still this long
         self.rng = random.Random(seed)
         self.target = changes
         self.driver_stops = driver_stops
@@ -145,19 +146,26 @@ class Soak:
     def settle(self, timeout=GROUP_BACKSTOP_S * 4):
         """Before the last reading: BADNET leaves, and the group builders that its failed
         rounds left blocked in gloo's connect end at the backstop. Waits for the keeper to
-        come back within LIMITS (a real leak never does, and the check then fails)."""
+        come back within LIMITS (a real leak never does, and the check then fails), then for
+        its fds and threads to hold still ``still_s`` (make soak: a backstop), so that the
+        reading is what stays, not a builder about to end."""
         if BADNET in self.listed:
             self.set_hosts([h for h in self.listed if h != BADNET])
         first = next((r for r in self.resources if r[0] == self.runs), None)
         pid = self.keeper_pid()
         deadline = time.monotonic() + timeout
+        still, still_since = None, 0.0
         while first is not None and pid is not None and time.monotonic() < deadline:
             try:
                 growth = resource_growth(first[2], resources(pid))
             except OSError:
                 return
             if all(growth[k] <= LIMITS[k] for k in LIMITS):
-                return
+                counts = (growth["fds"], growth["threads"])
+                if counts != still:
+                    still, still_since = counts, time.monotonic()
+                elif time.monotonic() - still_since >= self.still_s:
+                    return
             time.sleep(1)
 
     # -- faults -----------------------------------------------------------------------------
@@ -575,7 +583,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import tempfile
     workdir = args.dir or tempfile.mkdtemp(prefix="elastic-soak-")
-    summary = Soak(workdir, args.changes, args.seed).run()
+    summary = Soak(workdir, args.changes, args.seed, still_s=GROUP_BACKSTOP_S + 5).run()
     summary["driver_restarts"] = driver_restarts(workdir, args.driver_restarts, args.seed) \
         if args.driver_restarts else None
     summary["lab_cuts"] = lab_cuts(workdir, args.lab_cuts) if args.lab_cuts else None
