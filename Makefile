@@ -79,7 +79,7 @@ gpu-check: install
 # One job through 200+ membership changes of every kind (not part of `make test`,
 # which runs a short seeded version: tests/test_soak.py).
 soak: install
-	OMP_NUM_THREADS=1 $(PY) tests/soak.py --changes 200 --seed 1
+	OMP_NUM_THREADS=1 $(PY) tests/support/soak.py --changes 200 --seed 1
 
 # Needs only a Python with pip: the venv, ruff and mypy are installed here if missing.
 # mypy is pinned exactly (a new release brings new errors); its settings are in setup.cfg.

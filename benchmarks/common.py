@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: models, statistics, and a tiny stand-in driver.
 
-`launch` plays elasticrun's part the way tests/harness.py does (it hosts the
+`launch` plays elasticrun's part the way tests/support/harness.py does (it hosts the
 control store and publishes round 1 with every worker in it), so worker-side
 code runs on real gloo groups without the driver's start-up costs.
 """
@@ -132,9 +132,9 @@ def base_env():
 
 def publish_round(cs, round_id, worker_ids):
     """What the driver does for one single-host round: the tests' harness does it too,
-    so a change to the round protocol is made in one place (tests/harness.py)."""
+    so a change to the round protocol is made in one place (tests/support/harness.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from harness import publish_round as publish
+    from support.harness import publish_round as publish
     publish(cs, round_id, worker_ids)
 
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
-from jobs import Job, wait_unlocked  # noqa: E402
+from support.jobs import Job, wait_unlocked  # noqa: E402
 
 CKPT_WORKLOAD = REPO / "tests" / "workloads" / "ckpt_train.py"
 ROWS = []

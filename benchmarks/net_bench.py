@@ -2,7 +2,7 @@
 
 On loopback every "link" is a memory copy on the same 2 cores, so striping and
 pipelining cannot show what they buy. Here each host is a network namespace of
-the lab in tests/netlab.py (a veth to one bridge), its link rate-limited with
+the lab in tests/support/netlab.py (a veth to one bridge), its link rate-limited with
 ``tc tbf`` (this kernel has no netem, so no latency is added), and the workers
 of benchmarks/dp_worker.py run one per namespace, gloo on each namespace's eth0,
 the stand-in driver's control store in a namespace of its own. Each row's baseline
@@ -36,7 +36,7 @@ import common  # noqa: E402
 from common import BENCH, REPO, median  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
-import netlab  # noqa: E402
+from support import netlab  # noqa: E402
 
 RATE = os.environ.get("BENCH_NET_RATE", "300mbit")
 REPS = int(os.environ.get("BENCH_NET_REPS", "3"))

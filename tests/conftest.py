@@ -5,8 +5,8 @@ identity into the test process itself, and no failed test leaves a job running.
 """
 
 import pytest
-from jobs import Job, kill_leftover_jobs
-from join_cluster import JoinJob
+from support.jobs import Job, kill_leftover_jobs
+from support.join_cluster import JoinJob
 
 from elastic.protocol import ENV_ADDR
 from elastic.worker import runtime

@@ -2,7 +2,7 @@
 examples/train_accelerate.py rebuilds its Accelerator and prepared objects each round."""
 
 import pytest
-from jobs import REPO, Job, assert_exactly_once
+from support.jobs import REPO, Job, assert_exactly_once
 
 pytest.importorskip("accelerate")
 EXAMPLE = REPO / "examples" / "train_accelerate.py"

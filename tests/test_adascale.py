@@ -13,7 +13,7 @@ import socket
 
 import pytest
 import torch
-from jobs import REPO, Job, sizes_in_order
+from support.jobs import REPO, Job, sizes_in_order
 
 import elastic
 from elastic.training.adascale import GainEstimator, smoothing

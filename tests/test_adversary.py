@@ -1,6 +1,6 @@
 """A running job against an outsider that has the store port but not the secret.
 
-One job absorbs every attack (tests/adversary.py): a vandal overwrites every key
+One job absorbs every attack (tests/support/adversary.py): a vandal overwrites every key
 of the job once, at first sight, for the whole run; on top of that the outsider
 forges and replays aborts, rounds, plans, counters, registrations, heartbeats
 and rendezvous addresses at chosen moments: a held round, a scale-up it
@@ -15,11 +15,11 @@ import signal
 import threading
 
 import pytest
-from adversary import FAKE_MAC, FirstSightVandal, Outsider
-from jobs import Job, sizes_in_order
-from listening import listening_sockets
-from procs import job_workers
-from procs import state as proc_state
+from support.adversary import FAKE_MAC, FirstSightVandal, Outsider
+from support.jobs import Job, sizes_in_order
+from support.listening import listening_sockets
+from support.procs import job_workers
+from support.procs import state as proc_state
 
 from elastic import protocol as control
 

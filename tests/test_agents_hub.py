@@ -7,7 +7,7 @@ heartbeat is ignored, never fatal.
 import json
 import time
 
-from harness import free_port
+from support.harness import free_port
 
 from elastic import protocol
 from elastic.protocol import AgentKeys, ControlStore

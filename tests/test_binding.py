@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from listening import listening_sockets
+from support.listening import listening_sockets
 
 from elastic import protocol as control
 from elastic.runner import binding

@@ -19,9 +19,9 @@ import socket
 import time
 
 import pytest
-from jobs import Job
-from procs import alive as _alive
-from procs import job_workers
+from support.jobs import Job
+from support.procs import alive as _alive
+from support.procs import job_workers
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from elastic.training.sampler import ElasticSampler
 from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from jobs import REPO, Job, wait_unlocked  # noqa: E402
+from support.jobs import REPO, Job, wait_unlocked  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "ckpt_train.py"
 STEPS = 6 * 64 // 8          # ckpt_train.py's defaults at world size 2

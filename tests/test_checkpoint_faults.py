@@ -31,7 +31,7 @@ from elastic.state.states import TorchState
 from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from jobs import REPO, Job  # noqa: E402
+from support.jobs import REPO, Job  # noqa: E402
 
 WARNING = "elastic: warning:"
 

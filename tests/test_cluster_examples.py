@@ -2,7 +2,7 @@
 
 Nothing here needs a cluster: the YAML must parse, the scripts must pass
 ``bash -n``, and every ``elasticrun`` they start must use exactly the serve or
-join flags of tests/join_cluster.py (plus job-policy flags that other tests
+join flags of tests/support/join_cluster.py (plus job-policy flags that other tests
 cover), parsed by elasticrun's own parser.
 """
 
@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from join_cluster import join_args, serve_args
+from support.join_cluster import join_args, serve_args
 
 from elastic.runner import cli, serve
 

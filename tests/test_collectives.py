@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from harness import REPO, run_workers
+from support.harness import REPO, run_workers
 
 import elastic
 

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from harness import free_port
-from jobs import Job
-from procs import job_workers
+from support.harness import free_port
+from support.jobs import Job
+from support.procs import job_workers
 
 from elastic import protocol as control
 from elastic.store_link import HealingStore

@@ -20,8 +20,8 @@ import threading
 import time
 
 import pytest
-from harness import REPO, free_port
-from jobs import Job
+from support.harness import REPO, free_port
+from support.jobs import Job
 from test_faults import assert_no_worker_left, wait_until
 
 from elastic import protocol as control

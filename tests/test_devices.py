@@ -155,7 +155,7 @@ def test_no_nccl_in_this_build_is_a_placement_error():
 def test_a_backend_this_machine_lacks_fails_the_job_once_with_one_line(tmp_path):
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from jobs import Job
+    from support.jobs import Job
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: ELASTIC_BACKEND=nccl is valid here")
     job = Job(tmp_path, ["-np", "2", "-H", "localhost:2"], env={"ELASTIC_BACKEND": "nccl"})

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import Job, hosts_by_rank
+from support.jobs import Job, hosts_by_rank
 
 from elastic.runner.discovery import parse_hosts
 

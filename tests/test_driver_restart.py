@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from adversary import Outsider
-from jobs import REPO
-from join_cluster import wait_until
-from procs import alive, job_workers
+from support.adversary import Outsider
+from support.jobs import REPO
+from support.join_cluster import wait_until
+from support.procs import alive, job_workers
 
 from elastic.checkpoint.format import blob_checks, blob_path, list_checkpoints, read_manifest
 
@@ -35,10 +35,10 @@ def _kill_driver(job):
 def _impostor(job, dump):
     """A process without the secret on the lost driver's port, replaying what an
     outsider recorded from the real store and forging a newer round, a stop and
-    answers to registrations (tests/impostor_store.py)."""
+    answers to registrations (tests/support/impostor_store.py)."""
     path = job.dir / "recorded.json"
     path.write_text(json.dumps(dump))
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "impostor_store.py"),
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support" / "impostor_store.py"),
                              str(job.port), str(path)], env=job.env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout.readline().strip() == "listening"

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from jobs import Job
+from support.jobs import Job
 
 from elastic.runner import timeline as report
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from jobs import REPO
+from support.jobs import REPO
 
 
 def _run(args, tmp_path, timeout=240):

@@ -15,10 +15,10 @@ import sys
 import time
 
 import pytest
-from harness import REPO, free_port, publish_round
-from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, sizes_in_order
-from procs import job_workers
-from procs import state as proc_state
+from support.harness import REPO, free_port, publish_round
+from support.jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, sizes_in_order
+from support.procs import job_workers
+from support.procs import state as proc_state
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys

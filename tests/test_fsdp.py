@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from jobs import REPO, Job, sizes_in_order
+from support.jobs import REPO, Job, sizes_in_order
 
 from elastic.state import shard_plan
 from elastic.state.shard_plan import Piece, ShardsLost

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 import torch
-from harness import check_ok, run_workers
-from jobs import REPO, Job, sizes_in_order
+from support.harness import check_ok, run_workers
+from support.jobs import REPO, Job, sizes_in_order
 
 import elastic
 from elastic.training.sampler import ElasticSampler

@@ -17,7 +17,7 @@ from elastic.checkpoint.checkpointer import Checkpointer
 from elastic.state import handlers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import check_ok, run_workers  # noqa: E402
+from support.harness import check_ok, run_workers  # noqa: E402
 
 
 class ListDataset(Dataset):

@@ -6,7 +6,7 @@ keywords, only the import changed. Each runs under elasticrun on real gloo."""
 import json
 
 import pytest
-from jobs import REPO, Job
+from support.jobs import REPO, Job
 
 EXAMPLES = REPO / "tests" / "workloads" / "hvd_examples"
 

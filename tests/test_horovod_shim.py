@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from jobs import REPO, Job
+from support.jobs import REPO, Job
 
 import elastic.torch as hvd
 

@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from jobs import REPO, Job
+from support.jobs import REPO, Job
 
 sys.path.insert(0, str(REPO / "tests" / "workloads"))
 import hvd_ops_suite  # noqa: E402

@@ -9,7 +9,7 @@ import socket
 import time
 
 import pytest
-from jobs import Job, hosts_by_rank, sizes_in_order
+from support.jobs import REPO, Job, hosts_by_rank, sizes_in_order
 
 pytestmark = pytest.mark.slow
 THIRD_HOST = socket.gethostname()   # a third name for this machine: launched locally
@@ -172,7 +172,7 @@ def test_cooldown_brings_a_blacklisted_host_back(tmp_path):
 
 def test_a_final_round_worker_failing_before_the_others_finish_fails_the_job(tmp_path):
     job = Job(tmp_path, ["-np", "2", "-H", "localhost:1,127.0.0.1:1"],
-              script=__import__("jobs").REPO / "tests" / "workloads" / "exit_after_training.py")
+              script=REPO / "tests" / "workloads" / "exit_after_training.py")
     code = job.run()
     assert code != 0, job.output()
     assert "exited with code 4" in job.output()

@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from adversary import FAKE_MAC, FirstSightVandal, Outsider
-from jobs import REPO
-from join_cluster import ELASTICRUN, wait_until
-from procs import job_workers
+from support.adversary import FAKE_MAC, FirstSightVandal, Outsider
+from support.jobs import REPO
+from support.join_cluster import ELASTICRUN, wait_until
+from support.procs import job_workers
 
 from elastic import protocol
 from elastic.checkpoint.format import list_checkpoints
@@ -281,7 +281,7 @@ def test_the_kubernetes_example_ships_the_refused_placeholder():
 def test_no_driver_at_the_address_is_one_line(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef\n")
-    from harness import free_port
+    from support.harness import free_port
     proc = subprocess.run(
         ELASTICRUN + ["--join", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
                       "--join-timeout", "1", "python3"],

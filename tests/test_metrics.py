@@ -17,7 +17,7 @@ import time
 import urllib.request
 
 import pytest
-from jobs import Job
+from support.jobs import Job
 from test_faults import wait_until
 
 from elastic import protocol

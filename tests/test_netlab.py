@@ -1,4 +1,4 @@
-"""Network faults between hosts of their own (tests/netlab.py): the driver and each
+"""Network faults between hosts of their own (tests/support/netlab.py): the driver and each
 worker host in its own network namespace on one bridge, workers started through
 elasticrun's remote path. Skipped, with one reason, where namespaces are refused."""
 
@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from netlab import Unsupported, lab, lab_job  # noqa: F401  (lab: the fixture)
+from support.netlab import Unsupported, lab, lab_job  # noqa: F401  (lab: the fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,7 @@ def test_the_net_bench_lab_shapes_each_direction_and_leaves_no_namespace_behind(
     import sys
     from pathlib import Path
 
-    from netlab import why_no_lab
+    from support.netlab import why_no_lab
     reason = why_no_lab()
     if reason:
         pytest.skip(reason)

@@ -13,7 +13,7 @@ from elastic.training.optimizer import Compression, DistributedOptimizer
 from elastic.worker import collectives, runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import check_ok, run_workers  # noqa: E402
+from support.harness import check_ok, run_workers  # noqa: E402
 
 # The worker script: each rank trains every config, then saves its parameters.
 # The test process imports the same file to compute single-process references.

@@ -12,7 +12,7 @@ from elastic.training.optimizer import Compression, DistributedOptimizer
 from elastic.worker import collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import check_ok, run_workers  # noqa: E402
+from support.harness import check_ok, run_workers  # noqa: E402
 from test_optimizer import FakeComm, FakeWorker, _batch, _model, _train  # noqa: E402
 
 

@@ -10,11 +10,11 @@ import re
 import threading
 
 import pytest
+from support.jobs import REPO, Job, kill_leftover_jobs
+from support.join_cluster import JoinJob
 
 from elastic import streams
 from elastic.runner import agent
-from tests.jobs import REPO, Job, kill_leftover_jobs
-from tests.join_cluster import JoinJob
 
 NOISY = REPO / "tests" / "workloads" / "noisy_output.py"
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import assert_exactly_once, sizes_in_order
+from support.jobs import assert_exactly_once, sizes_in_order
 
 ray = pytest.importorskip("ray", reason="ray is not installed (make install adds it)")
 cluster_utils = pytest.importorskip("ray.cluster_utils")

@@ -2,7 +2,7 @@
 a DataLoader with persistent workers, an LR scheduler with LRScaler) through a scale-up
 and a graceful removal, in one job."""
 
-from jobs import REPO, Job, assert_exactly_once
+from support.jobs import REPO, Job, assert_exactly_once
 
 RECIPES = REPO / "examples" / "recipes.py"
 

@@ -2,7 +2,7 @@
 
 The unit tests check the pieces (what counts as local, the ssh command line,
 the remote bootstrap run locally over a pipe). The slow tests start a
-throwaway sshd on 127.0.0.2/127.0.0.3 (tests/sshd.py) and run whole jobs
+throwaway sshd on 127.0.0.2/127.0.0.3 (tests/support/sshd.py) and run whole jobs
 through it: training to the end, the secret on no command line, an
 unreachable host, and a dropped ssh connection.
 """
@@ -17,8 +17,8 @@ import sys
 import time
 
 import pytest
-from jobs import Job, hosts_by_rank, sizes_in_order
-from sshd import sshd  # noqa: F401  (the module-scoped fixture)
+from support.jobs import Job, hosts_by_rank, sizes_in_order
+from support.sshd import sshd  # noqa: F401  (the module-scoped fixture)
 
 from elastic import protocol as control
 from elastic.runner import cli, launcher, remote

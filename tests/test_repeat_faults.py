@@ -14,8 +14,8 @@ import re
 import signal
 
 import pytest
-from jobs import Job, kill_leftover_jobs
-from procs import job_workers
+from support.jobs import Job, kill_leftover_jobs
+from support.procs import job_workers
 from test_faults import wait_until
 
 from elastic import protocol as control

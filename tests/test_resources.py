@@ -1,7 +1,7 @@
 """Resources stay bounded across membership changes (DESIGN §4, issue 10).
 
 Real worker processes on real gloo groups; the test plays the driver
-(tests/harness.py), which makes a change cost a fraction of a second instead
+(tests/support/harness.py), which makes a change cost a fraction of a second instead
 of a process start. Every other change aborts the round while rank 0 waits in
 an allreduce on a slow rank 1, so work abandoned in flight must drain before
 its group can be freed; the others are graceful (a new round at a commit).
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Workers  # noqa: E402
-from procs import resource_growth, resources  # noqa: E402
+from support.harness import REPO, Workers  # noqa: E402
+from support.procs import resource_growth, resources  # noqa: E402
 
 from elastic.protocol import Keys  # noqa: E402
 

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import DEADLINE_S, ELASTICRUN, REPO
 
 import elastic
 from elastic.protocol import Member
 from elastic.runner.console import Console
-from tests.jobs import DEADLINE_S, ELASTICRUN, REPO
 
 SCRIPT = REPO / "tests" / "workloads" / "raises_on_rank1.py"
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"

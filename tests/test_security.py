@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from harness import free_port
-from jobs import REPO, WORKLOAD, Job, sizes_in_order
-from procs import cmdline as _cmdline
-from procs import job_workers
+from support.harness import free_port
+from support.jobs import REPO, WORKLOAD, Job, sizes_in_order
+from support.procs import cmdline as _cmdline
+from support.procs import job_workers
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys

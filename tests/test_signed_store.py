@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from harness import free_port
+from support.harness import free_port
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore

@@ -2,7 +2,7 @@
 fault once or more against one real job, and the soak's end-of-run checks."""
 
 import pytest
-from soak import Soak, table
+from support.soak import Soak, table
 
 pytestmark = pytest.mark.slow
 

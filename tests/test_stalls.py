@@ -13,10 +13,10 @@ import socket
 import subprocess
 import sys
 
-import procs
 import pytest
-from harness import REPO, free_port, publish_round
-from jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships
+from support import procs
+from support.harness import REPO, free_port, publish_round
+from support.jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships
 from test_faults import pid_of, wait_until
 
 from elastic import protocol as control

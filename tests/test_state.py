@@ -14,7 +14,7 @@ from elastic.training.sampler import ElasticSampler
 from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import check_ok, run_workers  # noqa: E402
+from support.harness import check_ok, run_workers  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workloads" / "state_sync_worker.py"
 

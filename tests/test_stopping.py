@@ -12,8 +12,8 @@ import signal
 import socket
 
 import pytest
-from jobs import Job, assert_exactly_once, sizes_in_order
-from procs import job_workers
+from support.jobs import Job, assert_exactly_once, sizes_in_order
+from support.procs import job_workers
 from test_faults import assert_no_worker_left, pid_of, wait_until
 
 pytestmark = pytest.mark.slow
@@ -179,7 +179,7 @@ def test_a_sigterm_during_the_commit_collective_leaves_at_the_next_commit_with_i
     """The rank's flags at a commit said "staying"; leaving there anyway would break its
     peers' next collective (they roll back). It leaves at the next commit, and the
     heartbeat's later reports keep the commit number the driver logs."""
-    from harness import Workers
+    from support.harness import Workers
 
     from elastic.protocol import Keys
     script = tmp_path / "late_sigterm.py"

@@ -214,6 +214,32 @@ def test_every_error_derives_from_elastic_error():
     assert not strays, strays
 
 
+TESTS = ROOT / "tests"
+SUPPORT = TESTS / "support"
+TEST_FOLDERS = {"support", "workloads", "data"}   # shared helpers, scripts jobs run, inputs
+
+
+def test_tests_hold_test_modules_and_their_folders_only():
+    """A helper among the test files is easy to take for a test and to import under a
+    second name: what tests share lives in tests/support/."""
+    strays = sorted(p.name for p in TESTS.iterdir()
+                    if not p.name.startswith((".", "__pycache__"))
+                    and not (p.is_dir() and p.name in TEST_FOLDERS)
+                    and not (p.is_file() and p.suffix == ".py"
+                             and (p.name == "conftest.py" or p.name.startswith("test_"))))
+    assert not strays, f"move these to tests/support/: {strays}"
+
+
+def test_helpers_are_imported_as_support_modules():
+    """One name per helper (``support.jobs``, never ``jobs`` or ``tests.support.jobs``), so a
+    helper is loaded once and conftest's patch of ``Job.start`` sees every job."""
+    helpers = {p.stem for p in SUPPORT.glob("*.py")} - {"__init__"}
+    bad = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in OUTSIDE
+           for name, line in imports(path)
+           if name.split(".")[0] in helpers | {"tests"}]
+    assert not bad, bad
+
+
 def test_the_ssh_bootstrap_uses_the_standard_library_only():
     """remote.py runs under ``python -I`` on hosts that may lack torch; its copy of the
     contract's names is checked against protocol.py in tests/test_remote.py."""

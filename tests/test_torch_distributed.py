@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-from harness import Workers
-from jobs import REPO, Job, sizes_in_order
+from support.harness import Workers
+from support.jobs import REPO, Job, sizes_in_order
 
 import elastic
 from elastic.worker import torch_world

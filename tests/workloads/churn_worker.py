@@ -1,6 +1,6 @@
 """Trains through as many rounds as the test publishes (tests/test_resources.py).
 
-The test plays the driver (tests/harness.py): it publishes new rounds, and for
+The test plays the driver (tests/support/harness.py): it publishes new rounds, and for
 some it first aborts the current one. While $CHURN_OUT/slow exists, rank 1
 sleeps before each step, so rank 0 waits inside an allreduce when the abort
 comes and abandons work still in flight: the aborted-round path, not only the

@@ -7,7 +7,7 @@ Env: JOB_OUT, JOB_EPOCHS (6), JOB_SAMPLES (64), JOB_BATCH (4), JOB_STEP_SLEEP (0
      JOB_HOLD=step: after that step, keep committing until $JOB_OUT/go exists.
      JOB_KILL_RANK0_AT=step: rank 0 SIGKILLs itself before that step (once per job).
      JOB_WIDTH (32): the hidden layer's width (another width: another model).
-Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step, as tests/jobs.py reads),
+Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step, as tests/support/jobs.py reads),
 final.<rank>.json (digests, step, sampler, checkpoint info), history.json (rank 0:
 the committed history (epoch, step, sample ids)).
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port():

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from harness import free_port
-from jobs import REPO, WORKLOAD, Job
+from support.harness import free_port
+from support.jobs import REPO, WORKLOAD, Job
 
 ELASTICRUN = [sys.executable, "-m", "elastic.runner"]
 

@@ -217,11 +217,11 @@ exec ip netns exec "$ns" sh -c "$*"
 
 
 def lab_job(tmp_path, lab, driver, args, env=None):
-    """A tests/jobs.py Job whose driver runs in ``driver``'s namespace and reaches the
+    """A tests/support/jobs.py Job whose driver runs in ``driver``'s namespace and reaches the
     other hosts through the lab's ssh shim; gloo and the store use each namespace's eth0."""
     import sys
 
-    from jobs import Job
+    from support.jobs import Job
     shim = lab.ssh_shim(driver)
     job = Job(tmp_path, ["--network-interface", "eth0", "--remote-python", sys.executable]
               + list(args), env=dict(env or {}, PATH=f"{shim}{os.pathsep}{os.environ['PATH']}"))

@@ -1,7 +1,7 @@
 """Soak: one elastic job through hundreds of membership changes of every kind.
 
-    python tests/soak.py --changes 200 --seed 1      # make soak
-    python tests/soak.py --changes 12 --seed 3       # the short version in make test
+    python tests/support/soak.py --changes 200 --seed 1      # make soak
+    python tests/support/soak.py --changes 12 --seed 3       # the short version in make test
 
 A seeded random schedule of faults against a real elasticrun job of
 tests/workloads/train_job.py on loopback hosts (127.0.0.2 and up, each one
@@ -19,7 +19,7 @@ per epoch in the committed history, no committed step lost, and the long-lived
 worker's resources bounded.
 
 Then faults that end or roll back a job by design, each in jobs of its own: where the
-network lab is available (tests/netlab.py), the driver's link is cut and restored a
+network lab is available (tests/support/netlab.py), the driver's link is cut and restored a
 few times (lab_cuts); every holder of the training state is lost during a scale-up
 (holder_losses: the job resumes from the newest checkpoint, or stops with one line
 naming the last commit); and a rank-0-only phase outlasts --stall-timeout
@@ -42,12 +42,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: support.*
 
-from jobs import Job, assert_exactly_once, kill_leftover_jobs, wait_unlocked  # noqa: E402
-from procs import alive as proc_alive  # noqa: E402
-from procs import job_workers, resource_growth, resources  # noqa: E402
-from procs import state as proc_state  # noqa: E402
+from support.jobs import Job, assert_exactly_once, kill_leftover_jobs, wait_unlocked  # noqa: E402
+from support.procs import alive as proc_alive  # noqa: E402
+from support.procs import job_workers, resource_growth, resources  # noqa: E402
+from support.procs import state as proc_state  # noqa: E402
 
 POOL = [f"127.0.0.{i}" for i in range(2, 8)]
 KEEP = "localhost"
@@ -310,7 +310,7 @@ def lab_cuts(workdir, cuts):
     hosts whose driver loses its link ``cuts`` times, each time until the driver has
     seen every heartbeat stop at once, then gets it back. The job must finish with
     nobody evicted or blacklisted. Returns None where the lab is not available."""
-    from netlab import Lab, lab_job, why_no_lab
+    from support.netlab import Lab, lab_job, why_no_lab
     if why_no_lab():
         return None
     lab = Lab(Path(workdir) / "lab")
@@ -456,7 +456,7 @@ def driver_restarts(workdir, restarts, seed):
     number of steps trained in each outage. The job must end exit 0 with every rank
     bitwise equal, every sample trained once, no step gone back and no worker
     started again: the same processes throughout. Returns {moment: count}."""
-    from join_cluster import JoinJob, wait_until
+    from support.join_cluster import JoinJob, wait_until
     rng = random.Random(seed)
     base = Path(workdir) / "driver-restarts"
     base.mkdir(parents=True, exist_ok=True)

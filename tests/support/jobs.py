@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "workloads" / "train_job.py"
 ELASTICRUN = [sys.executable, "-m", "elastic.runner"]
 DEADLINE_S = 240
