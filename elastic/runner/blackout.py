@@ -14,23 +14,26 @@ Pure functions; policy.check_liveness asks ``hold_silence`` (docs/failure-model.
 
 from __future__ import annotations
 
-from elastic.runner.decisions import NetworkQuiet
+from collections.abc import Callable, Iterable, Mapping
+
+from elastic.runner.decisions import Action, Job, NetworkQuiet, WorkerView
 
 NETWORK_WAIT_S = 90.0     # the longest the driver waits for its network before evicting
 
 
-def at_once_s(worker_timeout):
+def at_once_s(worker_timeout: float) -> float:
     """Beats that stopped within this many seconds of each other stopped at once
     (beats come every second, the driver reads them every half second)."""
     return max(2.0, min(10.0, worker_timeout / 3))
 
 
-def watched(workers):
+def watched(workers: Iterable[WorkerView]) -> list[WorkerView]:
     return [w for w in workers
             if not w.stopped and (w.beats or w.ready) and w.leaving_since is None]
 
 
-def every_beat_stopped(workers, now, worker_timeout, ended=0.0):
+def every_beat_stopped(workers: Iterable[WorkerView], now: float, worker_timeout: float,
+                       ended: float = 0.0) -> float | None:
     """When every watched worker fell silent, if they did so at once, on two or more
     hosts, and long enough ago that the first of them is about to be evicted; else None."""
     ws = watched(workers)
@@ -43,7 +46,8 @@ def every_beat_stopped(workers, now, worker_timeout, ended=0.0):
     return max(last)
 
 
-def hold_silence(job, workers, now, worker_timeout, emit):
+def hold_silence(job: Job, workers: Mapping[str, WorkerView], now: float, worker_timeout: float,
+                 emit: Callable[[Action], None]) -> bool:
     """Whether evictions for missing heartbeats wait this tick; emits NetworkQuiet
     when an episode begins or ends (one warning each)."""
     since = every_beat_stopped(workers.values(), now, worker_timeout, job.quiet_ended)
@@ -67,6 +71,6 @@ def hold_silence(job, workers, now, worker_timeout, emit):
     return False
 
 
-def silent_for(worker, job, now):
+def silent_for(worker: WorkerView, job: Job, now: float) -> float:
     """How long ``worker`` has been silent, counting from the end of a network outage."""
     return now - max(worker.heartbeat_at, job.quiet_ended)

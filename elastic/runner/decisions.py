@@ -18,10 +18,15 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Protocol, Union
 
 from elastic.messages import Member
 from elastic.runner.hosts import HostManager
 from elastic.runner.repeats import GROUP_REPEAT_LIMIT, Repeats
+
+if TYPE_CHECKING:
+    from elastic.runner.stalls import Liveness
+    from elastic.runner.stragglers import StragglerRule
 
 MIN_STARTUP_TIMEOUT_S = 120.0  # a process that never reaches elastic.init() is evicted after
 ROUNDS_KEPT = 8                # rounds the bookkeeping remembers (the final one is kept too)
@@ -90,11 +95,11 @@ class Job:
         """host -> its place in ``host_order``."""
         return {h: i for i, h in enumerate(self.host_order)}
 
-    def admitted(self, worker_id) -> bool:
+    def admitted(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is a member of a round the bookkeeping keeps."""
         return any(worker_id in ids for ids in self.rounds.values())
 
-    def left_out(self, worker_id) -> bool:
+    def left_out(self, worker_id: str) -> bool:
         """Admitted to a kept round but not a member of the current one: it exits once it
         reads the newer plan, so it is never planned again (a shrink, then a regrow before
         its process ended, would otherwise take back a worker that is leaving). Without a
@@ -120,7 +125,7 @@ class Limits:
     stop_timeout: float = 20.0       # to reach a commit after SIGTERM/SIGINT
     stall_timeout: float = 600.0     # peers waited this long on a rank that made no progress
     preempted_hold: float = 60.0     # a preempted host discovery keeps listing returns after
-    stragglers: object = None        # stragglers.StragglerRule (None: its defaults)
+    stragglers: StragglerRule | None = None   # None: its defaults
 
     @property
     def startup_timeout(self) -> float:
@@ -142,7 +147,7 @@ class WorkerView:
     stopped: bool = False
     beats: int = 0                # heartbeat counter
     heartbeat_at: float = 0.0     # when the counter last changed
-    liveness: object = None       # stalls.Liveness: its training thread's progress
+    liveness: Liveness | None = None   # its training thread's progress
     leaving: Mapping | None = None      # its SIGTERM report (Keys.leaving), if any
     leaving_since: float | None = None  # when the driver learnt it
 
@@ -351,7 +356,28 @@ class Finish:
     size: int
 
 
-def evolve(job: Job, action) -> Job:
+Action = Union[Spawn, Stop, Evict, HostFailed, Abort, Reform, Publish, Removed, RecordExit,
+               StartFinishing, MarkShort, MarkFailureReport, Preempted, Unpreempt, Left,
+               StallWarning, BeginStop, Stopped, Notice, Track, NoteCommit, MarkHolderless,
+               MarkStraggler, Fail, Finish]       # what ``policy.decide`` returns
+
+
+class PolicyTick(Protocol):
+    """What the policy's steps in other modules (verdicts, holders, stragglers) read of
+    the tick (``policy._Tick``) and the two ways they act on it."""
+
+    job: Job
+    facts: Facts
+    limits: Limits
+    now: float
+    workers: dict[str, WorkerView]
+
+    def emit(self, action: Action) -> None: ...
+
+    def host_failed(self, wid: str, host: str, reason: str) -> None: ...
+
+
+def evolve(job: Job, action: Action) -> Job:
     """The bookkeeping after ``action``; actions without bookkeeping leave it alone."""
     r = dataclasses.replace
     if isinstance(action, Spawn):

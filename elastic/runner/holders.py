@@ -18,17 +18,31 @@ heartbeat: the decision waits ``holder_grace`` for that.
 
 from __future__ import annotations
 
-from elastic.runner.decisions import Fail, MarkHolderless, NoteCommit, Notice
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from elastic.runner.decisions import (
+    Fail,
+    Limits,
+    MarkHolderless,
+    NoteCommit,
+    Notice,
+    PolicyTick,
+    WorkerView,
+)
+
+if TYPE_CHECKING:
+    from elastic.messages import Member
 
 HOLDER_GRACE_S = 3.0      # at least this long for a holder's heartbeat to say so
 
 
-def holder_grace(limits):
+def holder_grace(limits: Limits) -> float:
     """Seconds a round without a known holder waits for a late heartbeat."""
     return max(HOLDER_GRACE_S, limits.worker_timeout / 5)
 
 
-def note_commits(tick):
+def note_commits(tick: PolicyTick) -> None:
     """On a liveness tick: the newest commit and checkpoint any worker reported."""
     job = tick.job
     commit, durable = job.commit, job.durable
@@ -39,11 +53,11 @@ def note_commits(tick):
         tick.emit(NoteCommit(commit, durable))
 
 
-def holds_state(worker_view):
+def holds_state(worker_view: WorkerView) -> bool:
     return worker_view.liveness is not None and worker_view.liveness.holds >= 0
 
 
-def may_form(tick, target):
+def may_form(tick: PolicyTick, target: Iterable[Member]) -> bool:
     """Whether the round ``target`` (its Members) may form: some member holds the state,
     or there is a checkpoint to resume from. Emits the warning, or the Fail."""
     job = tick.job
@@ -54,7 +68,8 @@ def may_form(tick, target):
         return True
     if job.holderless_since is None:
         tick.emit(MarkHolderless(tick.now))
-    if tick.now - tick.job.holderless_since < holder_grace(tick.limits):
+    since = tick.job.holderless_since           # set just above if it was not
+    if since is not None and tick.now - since < holder_grace(tick.limits):
         return False
     if job.durable >= 0:
         tick.emit(MarkHolderless(None))

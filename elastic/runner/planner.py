@@ -5,7 +5,11 @@ survivors keep their relative order, new hosts go last, and rank 0 is slot 0
 of the oldest surviving host.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from elastic.messages import Member  # not elastic.protocol: the pure core needs no torch
 
@@ -17,7 +21,20 @@ class Candidate:
     slot: int
 
 
-def order_hosts(host_order, hosts):
+class Seat(Protocol):
+    """What the planner reads of a candidate: Candidate, decisions.WorkerView, ..."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def slot(self) -> int: ...
+
+
+def order_hosts(host_order: Iterable[str], hosts: Iterable[str]) -> list[str]:
     """Extend ``host_order`` (oldest first) with hosts it has not seen, keeping theirs.
 
     Linear: set lookups, not list scans (the planner runs on every tick at thousands of hosts).
@@ -32,7 +49,8 @@ def order_hosts(host_order, hosts):
     return order
 
 
-def plan_round(candidates, host_order, max_np=None):
+def plan_round(candidates: Iterable[Seat], host_order: Iterable[str],
+               max_np: int | None = None) -> list[Member]:
     """The next round's members (protocol.Member), in rank order.
 
     ``candidates`` are the ready workers the driver wants (anything with
@@ -48,21 +66,22 @@ def plan_round(candidates, host_order, max_np=None):
     return assign(ordered)
 
 
-def assign(ordered):
+def assign(ordered: Sequence[Seat]) -> list[Member]:
     """Ranks, local ranks and cross ranks for an ordered list of candidates.
 
     A worker's local rank is its position among its host's workers; the hosts
     that have a worker at that local rank form its cross group, in the order
     the hosts first appear. One pass counts, one pass numbers: O(n).
     """
-    local_size = {}            # host -> its workers
-    local_rank_of = {}         # (host, worker id) -> position on the host (first occurrence)
+    local_size: dict[str, int] = {}                  # host -> its workers
+    # (host, worker id) -> position on the host (first occurrence)
+    local_rank_of: dict[tuple[str, str], int] = {}
     for c in ordered:
         k = local_size.get(c.host, 0)
         local_rank_of.setdefault((c.host, c.worker_id), k)
         local_size[c.host] = k + 1
-    cross_size = []            # local rank -> hosts having it
-    cross_rank_of = {}         # (host, local rank) -> that host's place among them
+    cross_size: list[int] = []                       # local rank -> hosts having it
+    cross_rank_of: dict[tuple[str, int], int] = {}   # (host, local rank) -> its place there
     for host, k in local_size.items():
         for local_rank in range(k):
             if local_rank == len(cross_size):
@@ -70,7 +89,7 @@ def assign(ordered):
             cross_rank_of[host, local_rank] = cross_size[local_rank]
             cross_size[local_rank] += 1
     size = len(ordered)
-    members = []
+    members: list[Member] = []
     append = members.append
     for rank, c in enumerate(ordered):
         host, wid = c.host, c.worker_id
@@ -82,18 +101,18 @@ def assign(ordered):
     return members
 
 
-def same_membership(previous, members):
+def same_membership(previous: Iterable[Member], members: Iterable[Member]) -> bool:
     return [m.worker_id for m in previous] == [m.worker_id for m in members]
 
 
-def describe_change(previous, members):
+def describe_change(previous: Iterable[Member], members: Iterable[Member]) -> str:
     """A short human summary such as '+2 on node-3, -1 on node-1'."""
     before = {m.worker_id: m.host for m in previous}
     after = {m.worker_id: m.host for m in members}
-    parts = []
+    parts: list[str] = []
     for sign, ids, table in (("+", after.keys() - before.keys(), after),
                              ("-", before.keys() - after.keys(), before)):
-        per_host = {}
+        per_host: dict[str, int] = {}
         for wid in ids:
             per_host[table[wid]] = per_host.get(table[wid], 0) + 1
         parts.extend(f"{sign}{n} on {h}" for h, n in sorted(per_host.items()))

@@ -20,17 +20,22 @@ workers are the current round), and a tick that re-plans is O(n log n).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from elastic.runner import blackout, holders, stragglers, verdicts
 from elastic.runner.decisions import (
     Abort,
+    Action,
     BeginStop,
     Evict,
+    Exit,
     Facts,
     Fail,
     Finish,
     HostFailed,
+    Job,
     Left,
+    Limits,
     MarkShort,
     Notice,
     Phase,
@@ -58,8 +63,10 @@ JOIN_TOGETHER_S = 2.0          # ... if spawned this close after the first ready
                                # later replacement (churn) does not hold back a ready one
 
 
-def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_reports,
-             newly_ready, unready, last_spawn_at, hosts_changed, stop_signal) -> bool:
+def can_skip(job: Job, limits: Limits, now: float, *, settled_at: float | None,
+             exits: Sequence[Exit], liveness_checked: bool, failure_reports: bool,
+             newly_ready: int, unready: int, last_spawn_at: float | None, hosts_changed: bool,
+             stop_signal: int | None) -> bool:
     """True only when ``decide`` would certainly return no action now: the driver may then
     skip gathering the full facts and calling it. O(1) (plus the few preempted hosts).
 
@@ -96,7 +103,7 @@ def can_skip(job, limits, now, *, settled_at, exits, liveness_checked, failure_r
     return all(now - since <= hold for since in job.preempted.values())
 
 
-def decide(facts: Facts, now: float) -> list:
+def decide(facts: Facts, now: float) -> list[Action]:
     """What the driver should do now, in order. Ends with Fail or Finish when the job ends."""
     tick = _Tick(facts, now)
     try:

@@ -1,5 +1,7 @@
 """What the driver keeps about each live worker process, and what one tick saw."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 from elastic.runner.decisions import WorkerView
@@ -24,7 +26,7 @@ class WorkerRecord:
     def __post_init__(self):
         self.liveness = Liveness(beat_at=self.started, progress_at=self.started)
 
-    def view(self):
+    def view(self) -> WorkerView:
         return WorkerView(self.worker_id, self.host, self.slot, self.started, ready=self.ready,
                           stopped=self.stopped, beats=self.heartbeat,
                           heartbeat_at=self.heartbeat_at, liveness=self.liveness,

@@ -21,15 +21,19 @@ policy asks them each time a round fails, and acts on the verdict.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic.messages import Member
 
 GROUP_REPEAT_LIMIT = 3    # --repeat-limit's default: failed rounds in a row, same members
 RANK_REPEAT_LIMIT = 2     # failures of one rank at one commit on different hosts, then stop
 ERROR_CHARS = 300         # how much of a worker's error text travels (one line)
 
 
-def one_line(text, limit=ERROR_CHARS):
+def one_line(text: object, limit: int = ERROR_CHARS) -> str:
     """``text`` as a single line of at most ``limit`` characters."""
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[:limit - 1] + "…"
@@ -60,7 +64,7 @@ class StopJob:
     line: str            # the job's one error line
 
 
-def describe_errors(members, errors):
+def describe_errors(members: Iterable[Member], errors: Mapping[str, str]) -> str:
     """'worker 1 on b (rank 1): <error>; ...' for the members that reported one."""
     parts = []
     for m in members:
@@ -71,7 +75,9 @@ def describe_errors(members, errors):
     return "; ".join(parts) or "no error text"
 
 
-def group_failure(repeats, round_id, members, errors, limit=GROUP_REPEAT_LIMIT):
+def group_failure(repeats: Repeats, round_id: int, members: Sequence[Member],
+                  errors: Mapping[str, str], limit: int = GROUP_REPEAT_LIMIT,
+                  ) -> tuple[Repeats, Blame | StopJob | None]:
     """A round (``members``: its Members) failed without a process dying; ``errors``:
     worker id -> error text of those that reported it. Returns (repeats, verdict) with
     verdict None (re-form and try again), a Blame or a StopJob."""
@@ -95,7 +101,8 @@ def group_failure(repeats, round_id, members, errors, limit=GROUP_REPEAT_LIMIT):
         f"to blame (every host reported it): {text}")
 
 
-def rank_failure(repeats, kind, rank, host, commit, why, advice, limit=RANK_REPEAT_LIMIT):
+def rank_failure(repeats: Repeats, kind: str, rank: int, host: str, commit: int, why: str,
+                 advice: str, limit: int = RANK_REPEAT_LIMIT) -> tuple[Repeats, StopJob | None]:
     """Rank ``rank`` failed on ``host`` (``kind``: "stall" or "exception") while the job's
     newest commit was ``commit``. Returns (repeats, StopJob or None)."""
     key = (kind, rank)

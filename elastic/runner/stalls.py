@@ -9,12 +9,17 @@ commits while nobody waits on it) is not a stall. One warning comes first, at
 half the timeout or after 60 s, whichever is sooner.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 WARN_AT_MOST_S = 60.0
 TIMING_EVERY_S = 2.0     # stragglers.py: a worker's timing samples, one per 2 s,
 TIMING_KEPT_S = 65.0     # ... for this long (--straggler-window is at most 60 s)
 SETUP_WAITS = ("group set-up", "group check")
+Sample = tuple[float, float, int]   # timing: (driver clock, seconds waited on peers, commits)
 
 
 @dataclass
@@ -36,7 +41,7 @@ class Liveness:
     durable: int = -1             # the newest checkpoint it wrote or resumed from
     timing: tuple = ()            # (driver clock, seconds waited on peers, commits) samples
 
-    def update(self, value, now):
+    def update(self, value: Mapping[str, Any], now: float) -> bool:
         """Take a heartbeat value; True when it is a new beat."""
         beat = int(value.get("beat", 0))
         if beat == self.beat:
@@ -58,7 +63,7 @@ class Liveness:
             self.timing = timing_window(self.timing, (now, float(value["waited"]), progress[1]))
         return True
 
-    def count_commits(self, commits, now):
+    def count_commits(self, commits: int, now: float) -> None:
         if commits == self.commit_count:
             return
         if self.commit_at and commits > self.commit_count and now > self.commit_at:
@@ -66,7 +71,7 @@ class Liveness:
             self.commit_rate = rate if self.commit_rate is None else (self.commit_rate + rate) / 2
         self.commit_count, self.commit_at = commits, now
 
-    def waited(self, now):
+    def waited(self, now: float) -> float:
         """How long it has waited on peers, as of now; 0 when it does not."""
         w = self.waiting
         if not w or not w.get("on_peers", True):
@@ -74,7 +79,7 @@ class Liveness:
         return float(w.get("seconds", 0.0)) + max(0.0, now - self.beat_at)
 
 
-def timing_window(samples, sample):
+def timing_window(samples: tuple[Sample, ...], sample: Sample) -> tuple[Sample, ...]:
     """``samples`` plus ``sample``: one per TIMING_EVERY_S (the newest replaces a closer
     one), none older than TIMING_KEPT_S but one: bounded, whatever the job's length."""
     if len(samples) >= 2 and sample[0] - samples[-2][0] < TIMING_EVERY_S:
@@ -117,14 +122,14 @@ VERIFIED_PER_S = 1024  # ... and reads slow down, so the driver verifies about t
 EXIT_POLLS_PER_S = 20480   # process polls per second, at most (at 50 ms ticks: 1,024 per tick)
 
 
-def heartbeat_interval(workers, worker_timeout, base=BEAT_S):
+def heartbeat_interval(workers: int, worker_timeout: float, base: float = BEAT_S) -> float:
     """Seconds between one worker's beats: ``base``, slower in a big job (2 s at 4,096
     workers: every beat is a store request the driver's process serves), but never
     slower than a tenth of --worker-timeout, after which a silent worker is evicted."""
     return max(base, min(workers / BEATS_PER_S, worker_timeout / 10))
 
 
-def heartbeat_read_interval(workers, worker_timeout):
+def heartbeat_read_interval(workers: int, worker_timeout: float) -> float:
     """Seconds between the driver's reads of every beat: READ_BEATS_S, slower in a big
     job (each read verifies n seals: 4 s at 4,096 workers), at most a tenth of
     --worker-timeout (exits are seen within exit_poll_interval)."""
@@ -132,7 +137,7 @@ def heartbeat_read_interval(workers, worker_timeout):
                max(READ_BEATS_S, worker_timeout / 10))
 
 
-def exit_poll_interval(workers, tick):
+def exit_poll_interval(workers: int, tick: float) -> float:
     """Seconds between the driver's polls of every worker process: each ``tick`` in a
     small job, slower in a big one (0.2 s at 4,096), so polling stays a small cost."""
     return max(tick, workers / EXIT_POLLS_PER_S)
@@ -148,14 +153,14 @@ class StallTimeout(float):
         return value
 
 
-def warn_after(stall_timeout):
+def warn_after(stall_timeout: float) -> float:
     warn_s = getattr(stall_timeout, "warn_s", None)
     if warn_s is not None:
         return min(warn_s, float(stall_timeout))
     return min(stall_timeout / 2.0, WARN_AT_MOST_S)
 
 
-def long_waits(livenesses, stall_timeout, now):
+def long_waits(livenesses: Iterable[Liveness], stall_timeout: float, now: float) -> bool:
     """Whether any rank has waited on peers long enough for find_stalls to act on someone:
     each of its rules needs a peer that waited at least ``warn_after``. O(n), no views."""
     least = warn_after(stall_timeout)
@@ -185,7 +190,7 @@ class _Waiters:
         return max((w for w, i in self.top if i != index), default=None)
 
 
-def find_stalls(views, stall_timeout, now):
+def find_stalls(views: Iterable[StallView], stall_timeout: float, now: float) -> list[Stall]:
     """The stalls to act on now, at most one per worker.
 
     A busy rank (not waiting) is stuck once both its own silence and its
@@ -197,16 +202,17 @@ def find_stalls(views, stall_timeout, now):
     views = list(views)
     if not long_waits((v.liveness for v in views), stall_timeout, now):
         return []
-    by_round = {}
+    by_round: dict[Any, _Waiters] = {}
     for i, v in enumerate(views):
-        waited = v.liveness.waited(now)
-        if waited > 0:
-            round_id = v.liveness.waiting.get("round")
+        seconds = v.liveness.waited(now)
+        waiting = v.liveness.waiting or {}
+        if seconds > 0:
+            round_id = waiting.get("round")
             try:
                 group = by_round.setdefault(round_id, _Waiters())
             except TypeError:
                 continue                  # not a round id: in no view's rounds
-            group.add(i, waited, v.liveness.waiting.get("what", "?"))
+            group.add(i, seconds, waiting.get("what", "?"))
     out = []
     for i, view in enumerate(views):
         me = view.liveness
@@ -215,8 +221,11 @@ def find_stalls(views, stall_timeout, now):
         idle = now - me.progress_at
         in_rounds = [(r, by_round[r]) for r in set(view.rounds) if r in by_round]
         mine_waited = me.waited(now) > 0
-        my_round = me.waiting.get("round") if mine_waited else None
-        count, waited, names, peer_round = 0, None, {}, None
+        my_round = (me.waiting or {}).get("round") if mine_waited else None
+        count = 0
+        waited: float | None = None
+        peer_round: int | None = None
+        names: dict[str, int] = {}
         for r, group in in_rounds:
             me_here = mine_waited and my_round == r
             n = group.count - (1 if me_here else 0)
@@ -228,12 +237,12 @@ def find_stalls(views, stall_timeout, now):
             for name, k in group.names.items():
                 names[name] = names.get(name, 0) + k
             if me_here:
-                what = me.waiting.get("what", "?")
+                what = (me.waiting or {}).get("what", "?")
                 names[what] -= 1
             peer_round = int(r) if peer_round is None else max(peer_round, int(r))
-        if not count:
-            continue
-        what = max(sorted(name for name, k in names.items() if k > 0), key=names.get)
+        if not count or waited is None or peer_round is None:
+            continue                  # (a counted round sets both)
+        what = max(sorted(name for name, k in names.items() if k > 0), key=lambda n: names[n])
         mine = me.waiting
         if mine is not None and not mine.get("on_peers", True):
             continue                  # it waits for the driver, not for anyone
@@ -254,7 +263,7 @@ def find_stalls(views, stall_timeout, now):
     return out
 
 
-def describe(stall, host):
+def describe(stall: Stall, host: str) -> str:
     peers = f"{stall.waiters} peer{'s' if stall.waiters != 1 else ''}"
     wait = "waits" if stall.waiters == 1 else "wait"
     return (f"worker {stall.worker_id} on {host}: no progress for {stall.idle_s:.0f} s "

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elastic.runner.decisions import Evict, MarkStraggler, Notice, Phase, Stop
-from elastic.runner.stalls import TIMING_KEPT_S
+from elastic.runner.decisions import Evict, MarkStraggler, Notice, Phase, PolicyTick, Stop
+from elastic.runner.stalls import TIMING_KEPT_S, Sample
 
 MIN_COMMITS = 3           # a window with fewer commits says nothing about speed
 MIN_BUSY_S = 0.001        # peers that do (almost) nothing but wait give no ratio
@@ -34,7 +35,7 @@ class StragglerRule:
     evict: bool = False       # --evict-stragglers
 
 
-def rule(ratio=2.0, window_s=30.0, evict=False):
+def rule(ratio: float = 2.0, window_s: float = 30.0, evict: bool = False) -> StragglerRule:
     """A StragglerRule from the flags; ValueError names a bad one."""
     if not (math.isfinite(ratio) and (ratio == 0 or ratio > 1)):
         raise ValueError(f"--straggler-ratio must be 0 (never) or above 1, got {ratio}")
@@ -44,7 +45,7 @@ def rule(ratio=2.0, window_s=30.0, evict=False):
     return StragglerRule(float(ratio), float(window_s), bool(evict))
 
 
-def busy_per_commit(timing, window_s):
+def busy_per_commit(timing: Sequence[Sample], window_s: float) -> float | None:
     """Seconds per commit a worker spent not waiting on peers over the last ``window_s``
     of its ``timing`` samples (driver clock, seconds waited, commits); None while they
     do not span the window or hold too few commits."""
@@ -57,7 +58,7 @@ def busy_per_commit(timing, window_s):
     return max(0.0, (last[0] - first[0]) - (last[1] - first[1])) / (last[2] - first[2])
 
 
-def find(busy, ratio):
+def find(busy: Mapping[str, float], ratio: float) -> list[tuple[str, float]]:
     """[(worker id, times its peers' median)] of the workers in ``busy`` (worker id ->
     busy seconds per commit) at least ``ratio`` times slower than the median of the
     others. O(n log n)."""
@@ -77,7 +78,7 @@ def find(busy, ratio):
     return found
 
 
-def check(tick):
+def check(tick: PolicyTick) -> None:
     """On a liveness tick of a running round: warn once about each new straggler."""
     job = tick.job
     rule = tick.limits.stragglers or StragglerRule()

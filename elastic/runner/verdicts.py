@@ -6,7 +6,15 @@ Each function takes the policy's tick (``policy._Tick``: ``job``, ``facts``, ``l
 
 from __future__ import annotations
 
-from elastic.runner.decisions import Abort, Fail, MarkFailureReport, Notice, Reform, Track
+from elastic.runner.decisions import (
+    Abort,
+    Fail,
+    MarkFailureReport,
+    Notice,
+    PolicyTick,
+    Reform,
+    Track,
+)
 from elastic.runner.repeats import (
     Blame,
     StopJob,
@@ -23,7 +31,7 @@ EXCEPTION_ADVICE = ("the script fails on that rank whichever host runs it, which
                     "fault: fix the script (its traceback is in the worker's output)")
 
 
-def check_failure_reports(tick):
+def check_failure_reports(tick: PolicyTick) -> None:
     """A worker saw a collective fail but no process died (yet): re-form the round."""
     job = tick.job
     r = job.round_id
@@ -35,12 +43,13 @@ def check_failure_reports(tick):
         return
     if job.failure_report_at is None:
         tick.emit(MarkFailureReport(tick.now))
-    if tick.now - tick.job.failure_report_at >= FAILURE_REPORT_GRACE_S:
+    since = tick.job.failure_report_at          # set just above if it was not
+    if since is not None and tick.now - since >= FAILURE_REPORT_GRACE_S:
         failed_round(tick, r)
         tick.emit(MarkFailureReport(None))
 
 
-def abort_failed_replaced(tick):
+def abort_failed_replaced(tick: PolicyTick) -> None:
     """A collective failed in a round that a newer one replaced after it assembled (a
     join published the newer round while the older one synced): the older round's other
     members still wait in it, and the newer round waits for them. Abort the older round so
@@ -55,7 +64,7 @@ def abort_failed_replaced(tick):
         tick.emit(Abort(round_id))
 
 
-def failed_round(tick, round_id):
+def failed_round(tick: PolicyTick, round_id: int) -> None:
     """The current round reported a failed collective and no process died: re-form it,
     naming the cause, until repeats.group_failure decides."""
     job, errors = tick.job, dict(tick.facts.failure_errors)
@@ -80,7 +89,7 @@ def failed_round(tick, round_id):
             tick.host_failed(wid, host, verdict.line)
 
 
-def rank_failed(tick, kind, worker_id, host, why):
+def rank_failed(tick: PolicyTick, kind: str, worker_id: str, host: str, why: str) -> None:
     """A member of the current round failed (``kind``: "stall" or "exception"); stops the
     job (a Fail) when its rank failed the same way at the same commit on other hosts."""
     rank = next((m.rank for m in tick.job.members if m.worker_id == worker_id), None)
