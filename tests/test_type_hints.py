@@ -19,7 +19,6 @@ NOT_YET_HINTED = (
     "elastic/runner",
     "elastic/state",
     "elastic/torch",
-    "elastic/worker",
     "elastic/training",
 )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,29 +22,34 @@ from elastic.exceptions import WorkersDepartedError
 from elastic.protocol import Keys
 from elastic.worker import waiting
 
+if TYPE_CHECKING:
+    from elastic.protocol import ControlStore
+    from elastic.worker.torch_world import RoundGroup, RoundMember
+
 
 class _Pending:
     __slots__ = ("future", "group", "since", "done")
 
-    def __init__(self, future, group):
+    def __init__(self, future: torch.futures.Future[Any], group: RoundGroup) -> None:
         self.future, self.group, self.since, self.done = future, group, time.monotonic(), False
 
 
 class Watcher:
     """Fails pending futures of rounds that were aborted or ended."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._pending: list[_Pending] = []
         self._cv = threading.Condition()
-        self._thread = None
-        self._conn = None       # our own store connection, made on the first look
-        self._conn_worker = None
+        self._thread: threading.Thread | None = None
+        self._conn: ControlStore | None = None   # our own store connection, made on the first look
+        self._conn_worker: RoundMember | None = None
 
-    def watch(self, inner: torch.futures.Future, group) -> torch.futures.Future:
-        out: torch.futures.Future = torch.futures.Future()
+    def watch(self, inner: torch.futures.Future[Any],
+              group: RoundGroup) -> torch.futures.Future[Any]:
+        out: torch.futures.Future[Any] = torch.futures.Future()
         entry = _Pending(out, group)
 
-        def settle(fut):
+        def settle(fut: torch.futures.Future[Any]) -> None:
             try:
                 value = fut.value()
             except Exception as exc:  # noqa: BLE001 - handed on to the waiter
@@ -61,7 +67,8 @@ class Watcher:
         inner.add_done_callback(settle)
         return out
 
-    def _finish(self, entry, value=None, error=None):
+    def _finish(self, entry: _Pending, value: Any = None,
+                error: BaseException | None = None) -> None:
         with self._cv:
             if entry.done:
                 return
@@ -76,7 +83,7 @@ class Watcher:
         with self._cv:
             return len(self._pending)
 
-    def _run(self):
+    def _run(self) -> None:
         while True:
             with self._cv:
                 while not self._pending:
@@ -89,7 +96,7 @@ class Watcher:
                 if why:
                     self._finish(entry, error=WorkersDepartedError(why))
 
-    def _why_stop(self, group, waited):
+    def _why_stop(self, group: RoundGroup, waited: float) -> str | None:
         if group.ended:
             return f"round {group.round_id}'s process group has ended"
         if waited > group.worker.collective_timeout:
@@ -98,7 +105,7 @@ class Watcher:
             return f"collective abandoned: round {group.round_id} was aborted"
         return None
 
-    def _aborted(self, group):
+    def _aborted(self, group: RoundGroup) -> bool:
         w = group.worker
         try:
             if self._conn is None or self._conn_worker is not w:
@@ -112,7 +119,7 @@ class Watcher:
 _watcher = Watcher()
 
 
-def abortable(inner: torch.futures.Future, group) -> torch.futures.Future:
+def abortable(inner: torch.futures.Future[Any], group: RoundGroup) -> torch.futures.Future[Any]:
     """``inner``'s outcome, or WorkersDepartedError once ``group``'s round is over."""
     return _watcher.watch(inner, group)
 

@@ -18,10 +18,14 @@ Pure rules, so that they are tested without a GPU (tests/test_devices.py):
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastic.exceptions import ElasticError
+
+if TYPE_CHECKING:
+    import torch
 
 ENV_BACKEND = "ELASTIC_BACKEND"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -87,7 +91,7 @@ def wait_mode(backend: str) -> str:
     return "poll" if backend == "nccl" else "future"
 
 
-def nccl_environment(environ: Mapping[str, str]) -> dict:
+def nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The NCCL settings to add to ``environ``: our defaults where the user set none."""
     return {k: v for k, v in NCCL_ENV_DEFAULTS.items() if k not in environ}
 
@@ -114,16 +118,16 @@ def is_repeating_error(exc: BaseException) -> bool:
     return any(marker in text for marker in _REPEATING)
 
 
-def distinct_devices(tensors) -> list:
+def distinct_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     """The CUDA devices that ``tensors`` live on, each once, in first-seen order."""
-    seen = []
+    seen: list[torch.device] = []
     for t in tensors:
         if getattr(t, "is_cuda", False) and t.device not in seen:
             seen.append(t.device)
     return seen
 
 
-def synchronize_devices(tensors) -> int:
+def synchronize_devices(tensors: Iterable[torch.Tensor]) -> int:
     """Wait for the work queued on every device where ``tensors`` live (one
     synchronize per device, not only the current one). Returns how many."""
     devices = distinct_devices(tensors)

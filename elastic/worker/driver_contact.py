@@ -21,20 +21,28 @@ Outside joining mode the worker is not patient and nothing here changes how it
 behaves: it dies with the driver (liveness.py), so no orphan is left.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from elastic import protocol as control
 from elastic.protocol import ControlError, Keys
+
+if TYPE_CHECKING:
+    from elastic.protocol import ControlStore
+    from elastic.worker.runtime import Worker
 
 log = logging.getLogger(__name__)
 NEWS_CONNECT_S = 5.0
 
 
-def driver_grace(environ=None):
+def driver_grace(environ: Mapping[str, str] | None = None) -> float:
     """The agent's --driver-grace in seconds (0: not patient, die with the driver)."""
     env = os.environ if environ is None else environ
     try:
@@ -46,25 +54,25 @@ def driver_grace(environ=None):
 class DriverContact:
     """The worker's view of whether its driver answers (set by the heartbeat)."""
 
-    def __init__(self, worker, grace_s):
+    def __init__(self, worker: Worker, grace_s: float) -> None:
         self._worker = worker
         self.grace_s = float(grace_s)
         self.patient = self.grace_s > 0
         self._lock = threading.Lock()
-        self.away_since = None        # monotonic time of the first failed beat, or None
+        self.away_since: float | None = None   # monotonic time of the first failed beat, or None
         self.returns = 0              # how often the driver came back (tests read it)
-        self._news = None             # the fast-failing ControlStore for no-news reads
+        self._news: ControlStore | None = None   # the fast-failing ControlStore for no-news reads
 
     @property
-    def away(self):
+    def away(self) -> bool:
         return self.away_since is not None
 
-    def reconnect_window(self, default):
+    def reconnect_window(self, default: float) -> float:
         """How long one store call may keep reconnecting: a patient worker's calls that
         need the driver wait for it as long as its agent keeps the worker."""
         return max(default, self.grace_s + 30.0) if self.patient else default
 
-    def lost(self):
+    def lost(self) -> None:
         with self._lock:
             if self.away_since is None:
                 self.away_since = time.monotonic()
@@ -72,7 +80,7 @@ class DriverContact:
                             "waits for it only when the round must change",
                             self._worker.round_id)
 
-    def back(self):
+    def back(self) -> bool:
         """A beat went through again: re-announce this worker (a restarted driver knows
         nothing of it) and let the no-news reads look again."""
         with self._lock:
@@ -82,7 +90,7 @@ class DriverContact:
             log.warning("the control store answers again")
         return was_away
 
-    def announce(self, conn):
+    def announce(self, conn: ControlStore) -> None:
         """Our registration (sealed, on ``conn``) with the newest rounds we know: what a
         restarted driver adopts us from (runner/adoption.py)."""
         w = self._worker
@@ -94,7 +102,7 @@ class DriverContact:
         conn.put(Keys.ready(w.worker_id), value)
         control.Doorbell(conn, Keys.REGISTERED).ring(w.worker_id)
 
-    def news(self, key):
+    def news(self, key: str) -> Any:
         """The verified value of ``key``; None when absent, forged, or (patient) when the
         driver does not answer. Raises ControlError only where the plain read would."""
         if not self.patient:
@@ -110,12 +118,12 @@ class DriverContact:
             self._drop(conn)
             return None
 
-    def quiet_connection(self):
+    def quiet_connection(self) -> ControlStore | None:
         """A connection for a report the driver may miss (None while it is away): the
         training thread never waits on a reconnect for it."""
         return self._news if self.patient else self._worker.control
 
-    def put_news(self, key, value):
+    def put_news(self, key: str, value: Any) -> None:
         """Put a report the driver may miss: while it is away (patient), it is dropped."""
         if not self.patient:
             self._worker.control.put(key, value)
@@ -127,7 +135,7 @@ class DriverContact:
         except Exception:  # noqa: BLE001 - the driver is gone: nobody to tell
             self._drop(conn)
 
-    def refresh(self):
+    def refresh(self) -> None:
         """On the heartbeat thread (patient only): open the no-news connection when there
         is none and the driver's port accepts. It may block for NEWS_CONNECT_S; the
         training thread only ever uses a connection that is already open."""
@@ -140,13 +148,13 @@ class DriverContact:
         except Exception:  # noqa: BLE001 - not there (yet): the next beat tries again
             pass
 
-    def _drop(self, conn):
+    def _drop(self, conn: ControlStore | None) -> None:
         if self._news is conn:            # the heartbeat may have opened a new one already
             self._news = None
         self.lost()
 
 
-def port_accepts(host, port, timeout_s=1.0):
+def port_accepts(host: str, port: int | str, timeout_s: float = 1.0) -> bool:
     """Whether something accepts connections at host:port (a dead driver: at once, no)."""
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):

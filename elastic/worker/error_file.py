@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import traceback
+from types import TracebackType
 
 from elastic import protocol
 from elastic.worker import runtime
@@ -27,7 +28,8 @@ def error_path(error_dir: str, worker_id: str) -> str:
     return os.path.join(error_dir, f"worker.{worker_id}", ERROR_FILE)
 
 
-def record(kind, value, tb) -> dict:
+def record(kind: type[BaseException], value: BaseException,
+           tb: TracebackType | None) -> dict[str, object]:
     """What the file holds for the exception ``value``."""
     try:
         membership = runtime.current_membership()
@@ -47,7 +49,8 @@ def record(kind, value, tb) -> dict:
     }
 
 
-def write(kind, value, tb) -> str | None:
+def write(kind: type[BaseException], value: BaseException,
+          tb: TracebackType | None) -> str | None:
     """Write the error file when the driver asked for one; its path, or None.
 
     Only where the directory exists: on the driver's machine, or on a filesystem
@@ -82,7 +85,8 @@ def install() -> None:
     _installed = True
     previous = sys.excepthook
 
-    def hook(kind, value, tb):
+    def hook(kind: type[BaseException], value: BaseException,
+             tb: TracebackType | None) -> None:
         write(kind, value, tb)
         previous(kind, value, tb)
 

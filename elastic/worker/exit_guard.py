@@ -4,6 +4,9 @@ import atexit
 import logging
 import os
 import sys
+from collections.abc import Callable
+from types import TracebackType
+from typing import NoReturn
 
 from elastic.worker.devices import PlacementError
 
@@ -17,22 +20,23 @@ class ExitGuard:
     registered after init, logging, stdio) has run, keeping the exit status.
     """
 
-    def __init__(self, shutdown):
+    def __init__(self, shutdown: Callable[[], None]) -> None:
         self._shutdown = shutdown      # the worker's own cleanup, run first
         self.code = 0
         self._installed = False
 
-    def install(self):
+    def install(self) -> None:
         if self._installed:
             return
         self._installed = True
         original_exit, original_hook = sys.exit, sys.excepthook
 
-        def exit_(status=None):
+        def exit_(status: str | int | None = None) -> NoReturn:
             self.code = status if isinstance(status, int) else (0 if status is None else 1)
             original_exit(status)
 
-        def hook(kind, value, tb):
+        def hook(kind: type[BaseException], value: BaseException,
+                 tb: TracebackType | None) -> None:
             self.code = 1
             if isinstance(value, PlacementError):
                 # A configuration error, the same on every round: one line, no traceback.
@@ -43,7 +47,7 @@ class ExitGuard:
         sys.exit, sys.excepthook = exit_, hook
         atexit.register(self._leave)
 
-    def _leave(self):
+    def _leave(self) -> None:
         self._shutdown()
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):

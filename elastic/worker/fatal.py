@@ -8,12 +8,13 @@ and blames no host (policy.handle_exits).
 """
 
 import sys
+from typing import NoReturn
 
 from elastic import protocol
 from elastic.worker import runtime
 
 
-def stop_job(line):
+def stop_job(line: str) -> NoReturn:
     """Stop the whole job with ``line`` (never returns)."""
     w = runtime.worker()
     if w is not None:

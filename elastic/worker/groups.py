@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from elastic.worker import devices, nccl, torch_world, waiting
 from elastic.worker.sliced import AbortWatch, wait_sliced
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend  # gloo's, NCCL's
+
+    from elastic.worker.membership import Membership
     from elastic.worker.torch_world import RoundMember
 
 class TrackedGroup:
@@ -43,18 +46,18 @@ class TrackedGroup:
     recorded. ``group`` is the wrapped torch process group.
     """
 
-    def __init__(self, group, abortable=False):
+    def __init__(self, group: C10dBackend, abortable: bool = False) -> None:
         self.group = group
         self.abortable = abortable   # NCCL: its stuck work ends only when it is aborted
-        self._works = []
+        self._works: list[dist.Work] = []
         self._mu = threading.Lock()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         attr = getattr(self.group, name)
         if not callable(attr):
             return attr
 
-        def issue(*args, **kwargs):
+        def issue(*args: Any, **kwargs: Any) -> Any:
             result = attr(*args, **kwargs)
             if isinstance(result, dist.Work):
                 self._record(result)
@@ -62,19 +65,19 @@ class TrackedGroup:
 
         return issue
 
-    def _record(self, work):
+    def _record(self, work: dist.Work) -> None:
         # Completed work goes at once: a work object keeps its tensors alive.
         with self._mu:
             self._works = [w for w in self._works if not w.is_completed()]
             self._works.append(work)
 
-    def drained(self):
+    def drained(self) -> bool:
         """True once no work issued on this group is still running."""
         with self._mu:
             self._works = [w for w in self._works if not w.is_completed()]
             return not self._works
 
-    def pending(self):
+    def pending(self) -> int:
         with self._mu:
             return sum(1 for w in self._works if not w.is_completed())
 
@@ -82,12 +85,12 @@ class TrackedGroup:
 class RetiredGroups:
     """Groups of rounds this worker left, until their work has drained."""
 
-    def __init__(self):
-        self._groups = []
+    def __init__(self) -> None:
+        self._groups: list[TrackedGroup] = []
         self.released = 0        # groups freed so far
         self.waited = 0          # groups that still had work in flight when retired
 
-    def retire(self, *groups):
+    def retire(self, *groups: TrackedGroup | None) -> None:
         torch_world.uninstall_using(groups)     # no default group keeps them alive
         for group in groups:
             if group is not None and all(group is not g for g in self._groups):
@@ -97,7 +100,7 @@ class RetiredGroups:
                     if group.abortable:      # a GPU stream blocked on a dead peer
                         nccl.abort(group.group)
 
-    def release_drained(self):
+    def release_drained(self) -> int:
         """Drop every retired group whose work has all completed; returns how many are left.
 
         The last reference goes here, so the group's destructor runs on this
@@ -114,11 +117,11 @@ class RetiredGroups:
         self._groups = keep
         return len(keep)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._groups)
 
 
-def placement_for(membership) -> devices.Placement:
+def placement_for(membership: Membership) -> devices.Placement:
     """Where this worker's data plane runs in a round (devices.py); a PlacementError
     repeats on every round, so it is raised as it is, never as a departed peer."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -137,9 +140,9 @@ def form_groups(watch: AbortWatch, rendezvous: dist.Store, rank: int, size: int,
     created eagerly, bound to its device, with a finite timeout.
     """
     timeout = timedelta(seconds=watch.collective_timeout)
-    result = {}
+    result: dict[str, Any] = {}
 
-    def build():
+    def build() -> None:
         try:
             result["cpu"] = dist.ProcessGroupGloo(
                 dist.PrefixStore("gloo/", rendezvous), rank, size, timeout)

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from elastic.protocol import RECONNECT_WITHIN_S, Keys, driver_refuses
 from elastic.worker.driver_contact import port_accepts
@@ -34,38 +34,39 @@ class Progress:
     sees either the old or the new value, never half of one.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.waits = 0          # completed collectives, group set-ups, round assemblies
         self.issued = 0         # collectives started (DistributedOptimizer's hooks in backward)
         self.commits = 0
         self.holds = -1         # the commit the state holds (-1 before its first sync)
         self.durable = -1       # the newest checkpoint written or resumed from
         self.waited_s = 0.0     # seconds waited on peers so far (stragglers, driver side)
-        self._waiting = None    # (what, round id, on peers, start) while the thread waits
-        self.seconds = {}       # "commit"/"sync" -> how long the last one took (elasticctl)
+        # (what, round id, on peers, start) while the thread waits
+        self._waiting: tuple[str, int, bool, float] | None = None
+        self.seconds: dict[str, float] = {}       # "commit"/"sync" -> how long the last one took (elasticctl)
 
-    def begin_wait(self, what, round_id, on_peers=True):
+    def begin_wait(self, what: str, round_id: int, on_peers: bool = True) -> None:
         """``on_peers``: False for waits on the driver (for a round to be published)."""
         self._waiting = (what, int(round_id), on_peers, time.monotonic())
 
-    def end_wait(self):
+    def end_wait(self) -> None:
         waiting, self._waiting = self._waiting, None
         if waiting is not None and waiting[2]:
             self.waited_s += time.monotonic() - waiting[3]
         self.waits += 1
 
-    def committed(self):
+    def committed(self) -> None:
         self.commits += 1
 
-    def issue(self):
+    def issue(self) -> None:
         self.issued += 1
 
-    def timed(self, what, seconds):
+    def timed(self, what: str, seconds: float) -> None:
         self.seconds = {**self.seconds, what: round(seconds, 6)}
 
-    def report(self):
+    def report(self) -> dict[str, Any]:
         waiting = self._waiting
-        value = {"waits": self.waits + self.issued, "commits": self.commits, "waiting": None,
+        value: dict[str, Any] = {"waits": self.waits + self.issued, "commits": self.commits, "waiting": None,
                  "seconds": self.seconds, "holds": self.holds, "durable": self.durable}
         waited = self.waited_s
         if waiting is not None:
@@ -96,7 +97,7 @@ class BeatLink:
     driver_at: tuple[str, int]
     contact: DriverContact
     connect: Callable[[], ControlStore]
-    status: Callable[[], dict]
+    status: Callable[[], dict[str, Any]]
     leave_requested: Callable[[], int]
     leaving: LeavingReport
 

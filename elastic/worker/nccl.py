@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
 
@@ -25,12 +25,16 @@ from elastic.exceptions import WorkersDepartedError
 from elastic.worker.devices import PlacementError, apply_nccl_environment
 from elastic.worker.sliced import wait_sliced
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend
+
 
 def available() -> bool:
     return hasattr(dist, "ProcessGroupNCCL") and dist.is_nccl_available()
 
 
-def new_group(store, rank: int, size: int, device_index: int, timeout_s: float):
+def new_group(store: dist.Store, rank: int, size: int, device_index: int,
+              timeout_s: float) -> C10dBackend:
     """An NCCL group bound to ``cuda:device_index``, its communicator connected now."""
     if not available():
         raise PlacementError("this torch build has no NCCL")
@@ -47,7 +51,7 @@ def new_group(store, rank: int, size: int, device_index: int, timeout_s: float):
     return group
 
 
-def abort(group) -> bool:
+def abort(group: object) -> bool:
     """Abort ``group``'s communicators so that no stream stays blocked on a dead
     peer. Returns whether this torch offered a way to do so."""
     for name in ("abort", "_abort", "shutdown"):
@@ -61,7 +65,7 @@ def abort(group) -> bool:
     return False
 
 
-def wait_polling(work, slice_s: float, deadline_s: float,
+def wait_polling(work: dist.Work, slice_s: float, deadline_s: float,
                  aborted: Callable[[], bool], what: str = "collective",
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
@@ -69,7 +73,7 @@ def wait_polling(work, slice_s: float, deadline_s: float,
     """Wait for NCCL ``work`` without ever blocking the CPU unboundedly: poll
     ``is_completed()`` in slices (sliced.wait_sliced), watching ``aborted()``."""
 
-    def completed():
+    def completed() -> bool:
         try:
             return work.is_completed()
         except Exception as exc:  # noqa: BLE001 - a failed work means a peer is gone

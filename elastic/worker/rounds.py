@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -43,8 +44,8 @@ class RoundLifeCycle:
     """Joins, assembles and enters rounds; holds the current round's groups.
 
     The round's state lives here (set by ``_init_rounds``). The rest of the worker
-    provides what the annotations below name, plus ``report_failure(error)``,
-    ``leave_process(why)`` and ``_check_stop()`` (raises StopTraining to leave).
+    provides what the annotations and declarations below name (``_check_stop()``
+    raises StopTraining to leave).
     """
 
     # What the worker provides.
@@ -55,6 +56,16 @@ class RoundLifeCycle:
     round_timeout: float
     collective_timeout: float
     leave_requested: int
+
+    if TYPE_CHECKING:        # declared for the type checker; Worker (runtime.py) defines them
+        @property
+        def polls_work(self) -> bool: ...
+        def abort_device_group(self) -> None: ...
+        def new_control_connection(self, timeout: float | None = None,
+                                   reconnect_within_s: float = ...) -> ControlStore: ...
+        def report_failure(self, error: object = "") -> None: ...
+        def leave_process(self, why: str) -> NoReturn: ...
+        def _check_stop(self) -> None: ...
 
     def _init_rounds(self, size_hint: int) -> None:
         self.round_id = 0
@@ -69,10 +80,10 @@ class RoundLifeCycle:
         self._size_hint = size_hint   # sets how often we look
         self._healed_at = 0.0
         self._standing: set[str] = set()   # our sealed reports kept in place until the next round
-        self._rendezvous = None     # the forming round's SignedStore, healed until it checks
-        self._round_store = None    # the current round's SignedStore (its keys go with it)
+        self._rendezvous: SignedStore | None = None   # the forming round's, healed until it checks
+        self._round_store: SignedStore | None = None  # the current round's (its keys go with it)
 
-    def latest_round(self):
+    def latest_round(self) -> int:
         """Only ever moves forward: an older (replayed) or unreadable value changes nothing."""
         value = self.contact.news(Keys.LATEST_ROUND)   # the driver away: no news
         if value is not None:
@@ -80,14 +91,14 @@ class RoundLifeCycle:
         return self._latest
 
     @property
-    def known_latest(self):
+    def known_latest(self) -> int:
         return self._latest
 
-    def learn_latest(self, round_id):
+    def learn_latest(self, round_id: int) -> None:
         """A newer round rank 0 verified, from the commit's collective: joined without a read."""
         self._latest = max(self._latest, int(round_id))
 
-    def round_aborted(self):
+    def round_aborted(self) -> bool:
         """Whether the driver aborted our round (a sealed abort; a forged one is ignored).
 
         While a new group forms, this is also when our rendezvous values are put
@@ -97,7 +108,7 @@ class RoundLifeCycle:
             self._heal_kept()
         return self.round_id > 0 and self.contact.news(Keys.abort(self.round_id)) is not None
 
-    def join_next_round(self):
+    def join_next_round(self) -> Membership:
         """Leave the current round and block until a newer one including us forms.
 
         Always follows the newest round: one published while we wait for an
@@ -140,7 +151,7 @@ class RoundLifeCycle:
         finally:
             self.progress.end_wait()
 
-    def _try_round(self, round_id, deadline):
+    def _try_round(self, round_id: int, deadline: float) -> bool | None:
         """True: joined. False: not for us (not a member, or aborted). None: the plan
         is not readable (yet): try again.
 
@@ -169,7 +180,8 @@ class RoundLifeCycle:
         finally:   # the driver has read our arrival, or the round is over
             self.control.forget(Keys.joined(round_id, self.worker_id))
 
-    def _assemble(self, round_id, size, deadline, member_ids=None):
+    def _assemble(self, round_id: int, size: int, deadline: float,
+                  member_ids: Sequence[str] | None = None) -> bool:
         """Put our sealed arrival and wait for the driver's word that every member
         arrived; False if the round was aborted or replaced first.
 
@@ -210,7 +222,7 @@ class RoundLifeCycle:
             self._heal_kept()
             time.sleep(control.poll_pause(size, now - began))
 
-    def _heal_kept(self):
+    def _heal_kept(self) -> None:
         """Put back our kept values (registration, arrival, failure report) where
         something overwrote them; at most every protocol.backstop_pause of the round."""
         now = time.monotonic()
@@ -219,7 +231,8 @@ class RoundLifeCycle:
             self._healed_at = now
             self.control.heal()
 
-    def _enter(self, round_id, size, small, me, deadline):
+    def _enter(self, round_id: int, size: int, small: list[str] | None, me: Member,
+               deadline: float) -> bool:
         if not self._assemble(round_id, size, deadline, small):
             return False
         self.round_id = round_id
@@ -247,11 +260,11 @@ class RoundLifeCycle:
         self.ever_member = True
         return True
 
-    def form_groups(self, round_id):
+    def form_groups(self, round_id: int) -> tuple[TrackedGroup, TrackedGroup]:
         """The round's (CPU group, device group), through its signing rendezvous."""
         return build_groups(self, round_id, self.placement, self._rendezvous)
 
-    def _drop_groups(self):
+    def _drop_groups(self) -> None:
         """Leave the round's groups without waiting for them to drain.
 
         A group whose work all finished is freed at once; one with work still

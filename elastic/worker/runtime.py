@@ -14,6 +14,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any, NoReturn
 
 from elastic import protocol as control
 from elastic.exceptions import HostsUpdatedInterrupt, StopTraining
@@ -36,7 +39,7 @@ class Worker(RoundLifeCycle):
 
     beats_on_own_thread = True    # make scale beats for many workers from one thread
 
-    def __init__(self, environ=None):
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         """``environ``: the job's variables (make scale runs many workers per process)."""
         env = os.environ if environ is None else environ
         driver_pid = env.get(control.ENV_DRIVER_PID)
@@ -68,28 +71,29 @@ class Worker(RoundLifeCycle):
             self.heartbeat.first_beat()
             self.heartbeat.start()
 
-    def new_control_connection(self, timeout=None, reconnect_within_s=control.RECONNECT_WITHIN_S):
+    def new_control_connection(self, timeout: float | None = None,
+                               reconnect_within_s: float = control.RECONNECT_WITHIN_S) -> ControlStore:
         store = control.open_link(*self.driver_at, timeout or self.store_timeout,
                                   reconnect_within_s, warn=log.warning)   # heals after a reset
         return ControlStore(store, self._secret, warn=lambda msg: log.warning(msg))
 
-    def beat_status(self):
+    def beat_status(self) -> dict[str, Any]:
         """What each heartbeat carries: progress, and the rounds an adopting driver reads."""
         return dict(self.progress.report(), leaving=self.leave_requested,
                     round=self.round_id, latest=self._latest)
 
     @property
-    def polls_work(self):
+    def polls_work(self) -> bool:
         """NCCL work must be polled: its future completes when the kernel is queued."""
         return self.placement is not None and self.placement.wait_mode == "poll"
 
-    def abort_device_group(self):
+    def abort_device_group(self) -> None:
         """Abort this round's NCCL communicators (a stream blocked on a dead peer hangs)."""
         if self.device_group is not None and self.device_group.abortable:
             from elastic.worker import nccl
             nccl.abort(self.device_group.group)
 
-    def report_failure(self, error=""):
+    def report_failure(self, error: object = "") -> None:
         """Our own sealed report with ``error`` (kept until the next round), plus a doorbell."""
         if self.round_id:
             try:
@@ -100,25 +104,25 @@ class Worker(RoundLifeCycle):
             except Exception:  # noqa: BLE001 - the driver notices by other means
                 pass
 
-    def report_pause(self, seconds):
+    def report_pause(self, seconds: float) -> None:
         if self.membership is not None and self.membership.rank == 0:
             self.contact.put_news(Keys.pause(self.round_id), {"seconds": round(seconds, 4)})
 
-    def report_progress(self, values):
+    def report_progress(self, values: Mapping[str, Any]) -> None:
         self.contact.put_news(Keys.progress(self.worker_id),
                               dict(values, round=self.round_id, at=time.time()))
 
-    def report_done(self):
+    def report_done(self) -> None:
         self.control.put(Keys.done(self.worker_id), {"round": self.round_id})
 
-    def stop_requested(self):
+    def stop_requested(self) -> bool:
         """True once elasticrun published its stop (SIGTERM/SIGINT to it)."""
         try:
             return self.contact.news(Keys.STOP) is not None
         except ControlError:
             return False      # a forged value is ignored, never obeyed
 
-    def request_leave(self, signum):
+    def request_leave(self, signum: int) -> None:
         """SIGTERM to this worker: leave at the next commit, as a graceful removal does."""
         self.leave_requested = int(signum)
         self.heartbeat.wake()      # tell the driver now, from the heartbeat's connection
@@ -162,13 +166,13 @@ class Worker(RoundLifeCycle):
         """Agree on the commit numbered ``commit`` and act on it (see act_on_commit)."""
         return self.act_on_commit(self.agree_on_commit(), commit)
 
-    def _announce_leaving(self, commit=None):
+    def _announce_leaving(self, commit: int | None = None) -> None:
         try:
             self._leaving.put(self.contact.quiet_connection(), commit)
         except Exception:  # noqa: BLE001 - the heartbeat said so already
             pass
 
-    def _check_stop(self):
+    def _check_stop(self) -> None:
         """Between rounds: a stop or a leave request ends the worker here."""
         if self.leave_requested:
             self._announce_leaving()
@@ -176,7 +180,7 @@ class Worker(RoundLifeCycle):
         if self.stop_requested():
             raise StopTraining("elasticrun is stopping; stopped between rounds")
 
-    def leave_process(self, why):
+    def leave_process(self, why: str) -> NoReturn:
         """Not in the job any more: end this process (exit 0)."""
         log.info(why)
         self.stop()
@@ -184,17 +188,17 @@ class Worker(RoundLifeCycle):
         sys.stderr.flush()
         os._exit(0)
 
-    def stop(self):
+    def stop(self) -> None:
         self.heartbeat.stop()
 
-    def store_stats(self):
+    def store_stats(self) -> tuple[int, int]:
         """(requests, bytes read) on this worker's store connections so far."""
         beats = self.heartbeat.store_stats()
         return self.control.requests + beats[0], self.control.bytes_read + beats[1]
 
 
 # -- module-level API ----------------------------------------------------------
-_worker = None
+_worker: Worker | None = None
 _initialized = False
 _STANDALONE = Membership()
 
@@ -211,14 +215,14 @@ def init() -> None:
     _initialized = True
 
 
-def _install_leave_on_sigterm():
+def _install_leave_on_sigterm() -> None:
     """SIGTERM (a preempted pod, a spot reclaim) becomes a graceful leave at the next
     commit. Signal handlers can only be set from the main thread; elsewhere SIGTERM
     keeps its default and the worker counts as failed."""
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def on_sigterm(signum, _frame):
+    def on_sigterm(signum: int, _frame: FrameType | None) -> None:
         w = _worker
         if w is None:
             raise SystemExit(128 + signum)

@@ -21,7 +21,9 @@ collective on an ended round's group raises WorkersDepartedError at once.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,7 +62,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_PORT")
 
 
-def _first_tensor(obj):
+def _first_tensor(obj: object) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
     if isinstance(obj, (list, tuple)):
@@ -74,41 +76,41 @@ def _first_tensor(obj):
 class RoundWork(dist.Work):
     """A backend's work whose ``wait()`` is sliced and abort-aware."""
 
-    def __init__(self, work, group: RoundGroup, what: str):
+    def __init__(self, work: dist.Work, group: RoundGroup, what: str) -> None:
         super().__init__()
         self._work = work
         self._group = group
         self._what = what
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: timedelta | None = None) -> bool:
         self._group.wait(self._work, self._what)
         return True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return self._work.is_completed()
 
-    def is_success(self):
+    def is_success(self) -> bool:
         return self._work.is_success()
 
-    def exception(self):
+    def exception(self) -> Any:
         return self._work.exception()
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._work.get_future()
 
-    def source_rank(self):
+    def source_rank(self) -> int:
         return self._work.source_rank()
 
-    def _source_rank(self):
+    def _source_rank(self) -> int:
         return self._work._source_rank()
 
-    def result(self):
+    def result(self) -> list[torch.Tensor]:
         return self._work.result()
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         self._work.synchronize()
 
-    def block_current_stream(self):
+    def block_current_stream(self) -> None:
         self._work.block_current_stream()
 
 
@@ -116,25 +118,25 @@ class Works(dist.Work):
     """Several backend works as one: a coalesced collective the backend lacks (gloo has
     no ``allgather_into_tensor_coalesced``), issued one tensor at a time."""
 
-    def __init__(self, works):
+    def __init__(self, works: list[dist.Work]) -> None:
         super().__init__()
         self._works = works
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: timedelta | None = None) -> bool:
         for work in self._works:
             work.wait()
         return True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
-    def is_success(self):
+    def is_success(self) -> bool:
         return all(w.is_success() for w in self._works)
 
-    def exception(self):
+    def exception(self) -> Any:
         return next((w.exception() for w in self._works if not w.is_success()), None)
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future[Any]:
         return torch.futures.collect_all([w.get_future() for w in self._works])
 
 
@@ -142,7 +144,7 @@ class RoundGroup(dist.ProcessGroup):
     """One round's membership as a ``dist.ProcessGroup`` (rank, size, collectives)."""
 
     def __init__(self, worker: RoundMember, round_id: int, cpu: TrackedGroup,
-                 device: TrackedGroup):
+                 device: TrackedGroup) -> None:
         super().__init__(worker.membership.rank, worker.membership.size)  # type: ignore[call-arg, arg-type]
         self.worker = worker
         self.round_id = round_id
@@ -158,10 +160,10 @@ class RoundGroup(dist.ProcessGroup):
             self._register_backend(torch.device("cuda"), types.NCCL, self._device.group)
         self._set_default_backend(types.NCCL if self._device is not None else types.GLOO)
 
-    def getBackendName(self):  # noqa: N802 - torch's name, called from C++
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name, called from C++
         return self.backend_name
 
-    def _backend_for(self, args):
+    def _backend_for(self, args: tuple[Any, ...]) -> TrackedGroup:
         if self.ended:
             raise WorkersDepartedError(f"round {self.round_id}'s process group has ended")
         tensor = _first_tensor(args)
@@ -169,7 +171,7 @@ class RoundGroup(dist.ProcessGroup):
             return self._device
         return self._cpu
 
-    def wait(self, work, what):
+    def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` like our own collectives; an ended round's unfinished work
         is abandoned, as the round was."""
         if self.ended or self.worker.round_id != self.round_id:
@@ -178,14 +180,14 @@ class RoundGroup(dist.ProcessGroup):
             raise WorkersDepartedError(f"{what} abandoned: round {self.round_id} has ended")
         waiting.wait(work, what, self.worker)
 
-    def end(self):
+    def end(self) -> None:
         """Drop the backends: a later collective raises, and groups.py can free them."""
         self.ended = True
         self._cpu = self._device = None
 
 
-def _forward(name, backend_name=None):
-    def collective(self, *args, **kwargs):
+def _forward(name: str, backend_name: str | None = None) -> Callable[..., RoundWork]:
+    def collective(self: RoundGroup, *args: Any, **kwargs: Any) -> RoundWork:
         work = getattr(self._backend_for(args), backend_name or name)(*args, **kwargs)
         self.worker.progress.issue()
         return RoundWork(work, self, name)
@@ -204,11 +206,12 @@ for _name, _backend_name in (("all_gather_single", "_allgather_base"),
 
 
 
-def _one_at_a_time(name, single):
+def _one_at_a_time(name: str, single: str) -> Callable[..., RoundWork]:
     """``name`` (a coalesced collective: lists of outputs and inputs) through the backend's
     own when it has one, else ``single`` per pair. DTensor's ``full_tensor()`` and
     redistributions reach gloo this way (functional collectives)."""
-    def collective(self, outputs, inputs, *args, **kwargs):
+    def collective(self: RoundGroup, outputs: list[Any], inputs: list[Any], *args: Any,
+                   **kwargs: Any) -> RoundWork:
         backend = self._backend_for((outputs, inputs))
         if hasattr(backend.group, name):
             work = getattr(backend, name)(outputs, inputs, *args, **kwargs)
@@ -289,7 +292,7 @@ def uninstall(group: RoundGroup | None = None) -> None:
     c10d._update_default_pg(None)
 
 
-def uninstall_using(groups) -> None:
+def uninstall_using(groups: Iterable[TrackedGroup | None]) -> None:
     """End the installed default group if it runs on one of ``groups`` (retired)."""
     group = _current
     if group is not None and any(g is not None and (g is group._cpu or g is group._device)
@@ -297,7 +300,7 @@ def uninstall_using(groups) -> None:
         uninstall(group)
 
 
-def torchrun_env(membership, environ) -> dict[str, str]:
+def torchrun_env(membership: Membership, environ: Mapping[str, str]) -> dict[str, str]:
     """The torchrun variables for ``membership``. MASTER_ADDR/PORT are the job's store,
     through which the round's group met (as torchrun's do)."""
     m = membership
