@@ -8,14 +8,21 @@ from the last lines of its stderr. When the job fails, ``root_cause`` gives the
 block the driver prints before its one error line.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from elastic.runner.launcher import OutputSink
+
+if TYPE_CHECKING:
+    from elastic.messages import Member
 
 log = logging.getLogger("elasticrun")
 TRACEBACK_TAIL_LINES = 15
@@ -26,15 +33,15 @@ ERROR_FILE = "error.json"          # as elastic/worker/error_file.py writes it
 class Failure:
     worker_id: str
     host: str
-    rank: object                   # int, or None when it never joined a round
+    rank: int | None               # None when it never joined a round
     at: float                      # time.time()
     reason: str                    # the driver's line, e.g. "... exited with code 1"
-    details: list                  # traceback tail (or stderr tail) lines
+    details: list[str]             # traceback tail (or stderr tail) lines
     error_file: str | None = None  # its path when kept (under --output-filename)
     source: str = "stderr"         # "error file" or "stderr"
 
 
-def read_error_file(path):
+def read_error_file(path: str) -> dict[str, Any] | None:
     """The worker's error record, or None when absent or unreadable."""
     try:
         with open(path) as f:
@@ -44,27 +51,28 @@ def read_error_file(path):
     return value if isinstance(value, dict) else None
 
 
-def stamp(at):
+def stamp(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
 class Console(OutputSink):
     """The driver's sink: worker lines out, the first failure kept."""
 
-    def __init__(self, output_dir=None, quiet=False, timestamps=False, ranks=None,
-                 error_dir=None, keep_error_files=False):
+    def __init__(self, output_dir: str | None = None, quiet: bool = False,
+                 timestamps: bool = False, ranks: Iterable[int] | None = None,
+                 error_dir: str | None = None, keep_error_files: bool = False) -> None:
         super().__init__(output_dir, quiet=quiet, timestamps=timestamps, ranks=ranks)
         self.error_dir = error_dir
         self.keep_error_files = keep_error_files
-        self.first = None
+        self.first: Failure | None = None
         self.failures = 0
-        self._round_rank = {}
+        self._round_rank: dict[str, int] = {}
 
-    def set_ranks(self, members):
+    def set_ranks(self, members: Sequence[Member]) -> None:
         super().set_ranks(members)
         self._round_rank.update({m.worker_id: m.rank for m in members})
 
-    def worker_failed(self, worker_id, host, reason):
+    def worker_failed(self, worker_id: str, host: str, reason: str) -> None:
         """A worker failed (its host is blamed); the first one is the root cause."""
         self.failures += 1
         if self.first is not None:
@@ -83,7 +91,7 @@ class Console(OutputSink):
             self.first = Failure(worker_id, host, self._round_rank.get(worker_id),
                                  time.time(), reason, self.tail(worker_id)[-10:])
 
-    def root_cause(self):
+    def root_cause(self) -> list[str]:
         """The lines of the root-cause block (empty when nothing failed)."""
         f = self.first
         if f is None:
@@ -100,7 +108,7 @@ class Console(OutputSink):
             lines.extend(f"    {line}" for line in f.details)
         return lines
 
-    def report(self):
+    def report(self) -> None:
         """Print the root-cause block: its first line timestamped like every driver
         line, the traceback below it as it is."""
         lines = self.root_cause()

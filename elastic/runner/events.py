@@ -4,12 +4,22 @@ Round lines wait briefly for rank 0 to report how long training paused, so a
 change reads as a single line: `round 4: 6 workers (+2 on node-3), training paused 0.41 s`.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from elastic.protocol import Keys
+
+if TYPE_CHECKING:
+    from elastic.control_store import ControlStore
+    from elastic.messages import Member
+
+Listener = Callable[[str, dict[str, Any]], None]   # (event, fields)
 
 log = logging.getLogger("elasticrun")
 PAUSE_WAIT_S = 30.0
@@ -20,12 +30,12 @@ class EventLog:
     """Appends one JSON object per line (without a path, none), and hands each event to
     its listeners (the live view, metrics and TensorBoard: runner/watch.py)."""
 
-    def __init__(self, path=None):
+    def __init__(self, path: str | None = None) -> None:
         self._file = open(path, "a", buffering=1) if path else None
         self._lock = threading.Lock()
-        self.listeners = []           # callables taking (event, fields)
+        self.listeners: list[Listener] = []
 
-    def emit(self, event, **fields):
+    def emit(self, event: str, **fields: Any) -> None:
         for listener in self.listeners:
             listener(event, fields)
         if self._file is None:
@@ -35,7 +45,7 @@ class EventLog:
         with self._lock:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
 
-    def close(self):
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
 
@@ -43,18 +53,19 @@ class EventLog:
 class RoundReporter:
     """Console round lines with pause durations, and the live progress line."""
 
-    def __init__(self, events, control, start_warning=None):
+    def __init__(self, events: EventLog, control: ControlStore,
+                 start_warning: str | None = None) -> None:
         self.events = events
         self.control = control
         self._start_warning = start_warning   # once the job runs: bad input stays one line
-        self._pending = None          # (round, line, published_at)
-        self._progress_wid = None
-        self._last_progress = None    # (step, at)
+        self._pending: tuple[int, str, float] | None = None   # (round, line, published_at)
+        self._progress_wid: str | None = None
+        self._last_progress: tuple[Any, float] | None = None    # (step, at)
         self._last_print = 0.0
-        self._last_seen_at = None
-        self._stragglers = {}         # worker id -> its figure, for the progress line
+        self._last_seen_at: Any = None
+        self._stragglers: dict[str, str] = {}   # worker id -> its figure, for the progress line
 
-    def notice(self, line, event, fields):
+    def notice(self, line: str, event: str, fields: Mapping[str, Any]) -> None:
         """A warning worth an event (decisions.Notice); a straggler's figure also goes on
         the progress line while its round lasts."""
         log.warning("%s", line)
@@ -63,7 +74,8 @@ class RoundReporter:
             self._stragglers[fields["worker"]] = f"worker {fields['worker']} on " \
                                                  f"{fields['host']} {fields['ratio']:.1f}x"
 
-    def round_started(self, round_id, members, change, now):
+    def round_started(self, round_id: int, members: Sequence[Member], change: str,
+                      now: float) -> None:
         self.flush()
         self.events.emit("round_started", round=round_id, size=len(members), change=change,
                          members=[{"worker_id": m.worker_id, "host": m.host, "rank": m.rank}
@@ -81,7 +93,7 @@ class RoundReporter:
         else:
             self._pending = (round_id, line, now)
 
-    def flush(self, pause=None):
+    def flush(self, pause: float | None = None) -> None:
         if self._pending is None:
             return
         round_id, line, _ = self._pending
@@ -92,7 +104,7 @@ class RoundReporter:
             log.info("%s, training paused %.2f s", line, pause)
             self.events.emit("pause", round=round_id, seconds=pause)
 
-    def poll(self, now):
+    def poll(self, now: float) -> None:
         if self._pending is not None:
             round_id, _, published = self._pending
             value = self.control.get(Keys.pause(round_id))

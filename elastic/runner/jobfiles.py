@@ -8,20 +8,24 @@ directory, as an ssh key would be. The driver deletes it when it exits; a file
 whose process is gone (a SIGKILLed driver) is skipped and removed by the next reader.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import socket
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from elastic.protocol import ENV_JOBS_DIR
 
 
-def jobs_dir(environ=None):
+def jobs_dir(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     return env.get(ENV_JOBS_DIR) or os.path.join(os.path.expanduser("~"), ".elastic", "jobs")
 
 
-def write(record, directory=None):
+def write(record: Mapping[str, Any], directory: str | None = None) -> str:
     """Write this process's job file; returns its path. OSError when it cannot."""
     directory = directory or jobs_dir()
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -35,7 +39,7 @@ def write(record, directory=None):
     return path
 
 
-def remove(path):
+def remove(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
@@ -52,7 +56,7 @@ def _alive(pid):
     return True
 
 
-def running(directory=None):
+def running(directory: str | None = None) -> list[dict[str, Any]]:
     """[job record] of the live drivers that left a file here, oldest first."""
     directory = directory or jobs_dir()
     try:

@@ -18,6 +18,8 @@ loopback addresses other than 127.0.0.1 and ::1 count as remote, so tests can ru
 a real sshd on them.
 """
 
+from __future__ import annotations
+
 import collections
 import fcntl
 import ipaddress
@@ -32,11 +34,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING
 
 from elastic import protocol
 from elastic.runner import remote
 from elastic.streams import MAX_LINE_BYTES, pump_output
+
+if TYPE_CHECKING:
+    from elastic.messages import Member
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -52,7 +59,7 @@ def _die_with_parent(command):
 _SIOCGIFADDR = 0x8915
 
 
-def interface_ipv4(name):
+def interface_ipv4(name: str) -> str:
     """The IPv4 address of network interface ``name``; OSError when it has none."""
     if not name or len(name.encode()) > 15 or "/" in name:
         raise OSError(f"{name!r} is not a network interface name")
@@ -66,9 +73,9 @@ def interface_ipv4(name):
     return socket.inet_ntoa(packed[20:24])
 
 
-def interface_addresses():
+def interface_addresses() -> set[str]:
     """Every address of this machine's interfaces (IPv4 by ioctl, IPv6 from /proc)."""
-    found = set()
+    found: set[str] = set()
     try:
         names = [n for _, n in socket.if_nameindex()]
     except OSError:
@@ -89,7 +96,7 @@ def interface_addresses():
     return found
 
 
-def local_names():
+def local_names() -> set[str]:
     """Names and addresses that mean this machine."""
     names = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback",
              "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
@@ -108,7 +115,8 @@ def _normal_ip(host):
         return None
 
 
-def is_local(host, names=None, ssh_loopback=None):
+def is_local(host: str, names: Collection[str] | None = None,
+             ssh_loopback: bool | None = None) -> bool:
     """True for this machine's own names and addresses, and for any loopback
     address (127.x.x.x, ::1). With ``ssh_loopback`` (or ELASTIC_SSH_LOOPBACK=1)
     loopback addresses other than 127.0.0.1 and ::1 go through ssh instead,
@@ -126,7 +134,7 @@ def is_local(host, names=None, ssh_loopback=None):
     return ip in {_normal_ip(n) for n in names}
 
 
-def source_address(host):
+def source_address(host: str) -> str | None:
     """The local address this machine uses to reach ``host`` (a UDP connect sends
     nothing); None when the host does not resolve or has no route."""
     try:
@@ -159,28 +167,31 @@ class OutputSink:
     TAIL_LINES = 20
     TAILS_KEPT = 256                  # workers whose tails are kept (the newest)
 
-    def __init__(self, output_dir=None, quiet=False, timestamps=False, ranks=None,
-                 max_line=MAX_LINE_BYTES):
+    def __init__(self, output_dir: str | None = None, quiet: bool = False,
+                 timestamps: bool = False, ranks: Iterable[int] | None = None,
+                 max_line: int = MAX_LINE_BYTES) -> None:
         self._dir = output_dir
         self._max_line = max_line
         self._quiet = quiet
         self._timestamps = timestamps
         self._shown_ranks = None if ranks is None else set(ranks)
-        self._rank_of = {}
-        self._tails = collections.OrderedDict()
+        self._rank_of: dict[str, int] = {}
+        self._tails: collections.OrderedDict[str, collections.deque[str]] = \
+            collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def set_ranks(self, members):
+    def set_ranks(self, members: Sequence[Member]) -> None:
         """The ranks of a newly published round (protocol.Member)."""
         with self._lock:
             self._rank_of = {m.worker_id: m.rank for m in members}
 
-    def tail(self, worker_id):
+    def tail(self, worker_id: str) -> list[str]:
         """The last stderr lines of ``worker_id`` (text), oldest first."""
         with self._lock:
             return list(self._tails.get(worker_id, ()))
 
-    def attach(self, worker_id, stream, name, on_line=None):
+    def attach(self, worker_id: str, stream: IO[bytes], name: str,
+               on_line: Callable[[bytes], None] | None = None) -> threading.Thread:
         files = None
         if self._dir:
             path = os.path.join(self._dir, f"worker.{worker_id}")
@@ -192,7 +203,7 @@ class OutputSink:
         thread.start()
         return thread
 
-    def write_lines(self, worker_id, name, lines):
+    def write_lines(self, worker_id: str, name: str, lines: Sequence[str]) -> None:
         """Lines that arrived by other means (a joining agent's report): the same
         prefix on the console, and the same per-worker file."""
         if self._dir:
@@ -237,35 +248,38 @@ class OutputSink:
 class WorkerProcess:
     """A started worker and the means to stop it."""
 
-    def __init__(self, worker_id, host, popen, pumps):
+    def __init__(self, worker_id: str, host: str, popen: subprocess.Popen[bytes],
+                 pumps: list[threading.Thread]) -> None:
         self.worker_id = worker_id
         self.host = host
         self.popen = popen
         self._pumps = pumps
 
-    def poll(self):
+    def poll(self) -> int | None:
         return self.popen.poll()
 
-    def kill(self, sig=signal.SIGKILL):
+    def kill(self, sig: int = signal.SIGKILL) -> None:
         try:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
-    def join_output(self, timeout=2.0):
+    def join_output(self, timeout: float = 2.0) -> None:
         for pump in self._pumps:
             pump.join(timeout)
 
-    def describe_exit(self, code):
+    def describe_exit(self, code: int) -> str:
         """Words to add after "exited with code N"; a local exit speaks for itself."""
         return ""
 
 
-def start_local(worker_id, host, command, env, sink):
+def start_local(worker_id: str, host: str, command: Sequence[str], env: Mapping[str, str],
+                sink: OutputSink) -> WorkerProcess:
     popen = subprocess.Popen(
         _die_with_parent(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, start_new_session=True,
     )
+    assert popen.stdout is not None and popen.stderr is not None    # PIPEs, as asked
     pumps = [sink.attach(worker_id, popen.stdout, "stdout"),
              sink.attach(worker_id, popen.stderr, "stderr")]
     return WorkerProcess(worker_id, host, popen, pumps)
@@ -292,10 +306,10 @@ class SshSettings:
 
     port: int | None = None
     identity_file: str | None = None
-    options: list = field(default_factory=list)     # "Key=Value" strings for ssh -o
+    options: list[str] = field(default_factory=list)     # "Key=Value" strings for ssh -o
     python: str = "python3"                          # runs remote.py on the host
 
-    def argv(self, host):
+    def argv(self, host: str) -> list[str]:
         ssh = shutil.which("ssh") or "ssh"
         args = [ssh, "-T"]
         # ssh keeps the first value it gets for an option: the user's come first.
@@ -309,7 +323,7 @@ class SshSettings:
         return args + ["--", host.strip("[]"), remote_command]
 
 
-def check_ssh_option(option):
+def check_ssh_option(option: str) -> str:
     """``Key=Value`` for ``ssh -o``; ValueError(reason) otherwise."""
     key, sep, value = option.partition("=")
     if not sep or not key.isalnum() or not value.strip():
@@ -318,13 +332,13 @@ def check_ssh_option(option):
     return f"{key}={value}"
 
 
-def forwarded_env(env):
+def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of the driver-side worker environment that goes to a remote host."""
     return {k: v for k, v in env.items()
             if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
 
 
-def remote_spec(command, env, cwd):
+def remote_spec(command: Iterable[str], env: Mapping[str, str], cwd: str) -> bytes:
     """The JSON line remote.py reads: the secret moves out of env into its own field."""
     env = forwarded_env(env)
     secret = env.pop(protocol.ENV_SECRET, "")
@@ -335,23 +349,25 @@ def remote_spec(command, env, cwd):
 class SshWorkerProcess(WorkerProcess):
     """A worker on another host: ``popen`` is its ssh client."""
 
-    def __init__(self, worker_id, host, popen, pumps, tail):
+    def __init__(self, worker_id: str, host: str, popen: subprocess.Popen[bytes],
+                 pumps: list[threading.Thread], tail: list[str]) -> None:
         super().__init__(worker_id, host, popen, pumps)
         self._tail = tail
-        self._code = None
+        self._code: int | None = None
 
-    def poll(self):
+    def poll(self) -> int | None:
         if self._code is None:
             self._code = self.popen.poll()
             if self._code is None:
                 return None
             try:
-                self.popen.stdin.close()
+                if self.popen.stdin is not None:      # (stdin=PIPE: always)
+                    self.popen.stdin.close()
             except (OSError, ValueError):
                 pass
         return self._code
 
-    def describe_exit(self, code):
+    def describe_exit(self, code: int) -> str:
         """255 is ssh's own failure (unreachable host, refused key, lost link) and a
         signal death is the ssh client's, since remote.py turns the worker's into
         128 + N. A worker that itself exits 255 reads the same: ssh cannot tell."""
@@ -369,7 +385,9 @@ class SshWorkerProcess(WorkerProcess):
         return ""
 
 
-def start_ssh(worker_id, host, command, env, sink, settings, store_addr=None):
+def start_ssh(worker_id: str, host: str, command: Sequence[str], env: Mapping[str, str],
+              sink: OutputSink, settings: SshSettings,
+              store_addr: str | None = None) -> SshWorkerProcess:
     """Start ``command`` on ``host`` through ssh. ``env`` is the full worker
     environment (secret included); it is written to ssh's stdin, never argv.
     ``store_addr`` None: workers reach the store at the address this machine
@@ -378,25 +396,27 @@ def start_ssh(worker_id, host, command, env, sink, settings, store_addr=None):
         _die_with_parent(settings.argv(host)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, start_new_session=True,
     )
-    tail = []
+    stdin, stdout, stderr = popen.stdin, popen.stdout, popen.stderr
+    assert stdin is not None and stdout is not None and stderr is not None   # PIPEs, as asked
+    tail: list[str] = []
 
-    def keep_tail(raw):
+    def keep_tail(raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").strip()
         if line:
             tail[:] = [line[:300]]
 
-    pumps = [sink.attach(worker_id, popen.stdout, "stdout"),
-             sink.attach(worker_id, popen.stderr, "stderr", on_line=keep_tail)]
+    pumps = [sink.attach(worker_id, stdout, "stdout"),
+             sink.attach(worker_id, stderr, "stderr", on_line=keep_tail)]
     env = dict(env)
     cwd = os.getcwd()
 
-    def send():
+    def send() -> None:
         # Only now, off the driver's thread: the address may need a DNS lookup.
         # If even that fails, remote.py falls back to sshd's SSH_CONNECTION.
         env[protocol.ENV_ADDR] = store_addr or source_address(host) or ""
         try:
-            popen.stdin.write(remote_spec(command, env, cwd))
-            popen.stdin.flush()
+            stdin.write(remote_spec(command, env, cwd))
+            stdin.flush()
         except (OSError, ValueError):
             pass        # ssh is gone already; its exit code tells why
         # stdin stays open: its end is what tells the remote side we are gone.

@@ -7,7 +7,15 @@ driver's live tables. The registry is the exporter's own, so nothing else in the
 process (or a second job in it) adds to or collides with these names.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
 from elastic.exceptions import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.runner.status import StatusBoard
 
 PREFIX = "elastic_"
 
@@ -16,7 +24,7 @@ class MetricsError(ElasticError):
     """The endpoint cannot be served; str() is the one line the user sees."""
 
 
-def summary(status):
+def summary(status: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
     """The numbers the collector serves, from a status snapshot (status.snapshot)."""
     members = status["members"]
     commit = [m["commit_s"] for m in members if m.get("commit_s") is not None]
@@ -71,7 +79,7 @@ COUNTERS = {
 class Exporter:
     """The HTTP endpoint and the collector behind it."""
 
-    def __init__(self, port, board, address="0.0.0.0"):
+    def __init__(self, port: int, board: StatusBoard, address: str = "0.0.0.0") -> None:
         try:
             import prometheus_client
             from prometheus_client.core import (
@@ -84,7 +92,7 @@ class Exporter:
                                "(pip install prometheus_client)") from None
         self._families = (CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily)
         self.board = board
-        self._latest = ({}, {})
+        self._latest: tuple[dict[str, Any], dict[str, float]] = ({}, {})
         self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         try:
@@ -94,10 +102,10 @@ class Exporter:
             raise MetricsError(f"--metrics-port {port}: cannot listen ({exc.strerror})") from None
         self.port = self._server.server_address[1]
 
-    def update(self, status):
+    def update(self, status: Mapping[str, Any]) -> None:
         self._latest = summary(status)        # one reference swap: the scrape thread reads it
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:       # prometheus_client's metric families
         counter, gauge, summary_family = self._families
         values, scalars = self._latest
         for name, doc in GAUGES.items():
@@ -110,7 +118,7 @@ class Exporter:
         for name, doc in COUNTERS.items():
             yield counter(PREFIX + name, doc, value=float(counts.get(name, 0)))
         yield summary_family(PREFIX + "pause_seconds", "training paused per membership change",
-                             count_value=float(counts.get("pauses", 0)),
+                             count_value=int(counts.get("pauses", 0)),
                              sum_value=float(self.board.pause_seconds))
         family = gauge(PREFIX + "progress", "numbers rank 0 gave elastic.report_progress",
                        labels=["name"])
@@ -118,6 +126,6 @@ class Exporter:
             family.add_metric([name], float(value))
         yield family
 
-    def close(self):
+    def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()

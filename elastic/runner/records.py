@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.runner.decisions import WorkerView
 from elastic.runner.stalls import Liveness
@@ -19,7 +19,7 @@ class WorkerRecord:
     stopped: bool = False
     heartbeat: int = 0
     heartbeat_at: float = 0.0
-    liveness: Liveness | None = None
+    liveness: Liveness = field(default_factory=Liveness)   # __post_init__ sets its clock
     leaving: dict | None = None       # its SIGTERM report (Keys.leaving)
     leaving_since: float | None = None
 

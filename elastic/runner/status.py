@@ -7,14 +7,24 @@ newest checkpoint. It is built on request (and once a second for --metrics-port)
 so a job nobody watches pays nothing for it.
 """
 
+from __future__ import annotations
+
 import collections
 import math
 import os
 import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from elastic import protocol
 from elastic.checkpoint import format as ckpt_format
 from elastic.checkpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from elastic.messages import Member
+    from elastic.runner.driver import Driver
+    from elastic.runner.job_config import JobConfig
+    from elastic.runner.records import WorkerRecord
 
 ROUNDS_SHOWN = 10
 CHECKPOINT_LOOK_S = 5.0      # the checkpoint directory is listed at most this often
@@ -24,16 +34,17 @@ STALE_RATE_S = 5.0           # a commit rate reads 0 once no commit was seen for
 class StatusBoard:
     """What the events of a job say, kept in bounded memory (an ``EventLog`` listener)."""
 
-    def __init__(self):
-        self.rounds = collections.deque(maxlen=ROUNDS_SHOWN)
-        self.counts = collections.Counter()   # rounds, pauses, failures, evictions, ...
+    def __init__(self) -> None:
+        self.rounds: collections.deque[dict[str, Any]] = collections.deque(maxlen=ROUNDS_SHOWN)
+        # rounds, pauses, failures, evictions, ...
+        self.counts: collections.Counter[str] = collections.Counter()
         self.pause_seconds = 0.0              # over every measured pause
-        self.last_pause = None
-        self.last_failure = None
-        self.progress = None                  # rank 0's latest report_progress, with its rate
+        self.last_pause: dict[str, Any] | None = None
+        self.last_failure: dict[str, Any] | None = None
+        self.progress: dict[str, Any] | None = None   # rank 0's latest report_progress, its rate
         self.world_size = 0
 
-    def on_event(self, event, fields):
+    def on_event(self, event: str, fields: Mapping[str, Any]) -> None:
         now = time.time()
         if event == "round_started":
             self.counts["rounds"] += 1
@@ -64,18 +75,18 @@ class StatusBoard:
 class CheckpointProbe:
     """The newest checkpoint in a directory: version, bytes, age (read every few seconds)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory: str | None) -> None:
         self.directory = directory
         self._looked_at = -math.inf
-        self._newest = None       # (version, body summary)
+        self._newest: tuple[int, dict[str, Any]] | None = None   # (version, body summary)
 
-    def state(self, now):
+    def state(self, now: float) -> dict[str, Any] | None:
         if self.directory is None:
             return None
         if now - self._looked_at >= CHECKPOINT_LOOK_S:
             self._looked_at = now
             self._look()
-        out = {"dir": self.directory, "newest": None}
+        out: dict[str, Any] = {"dir": self.directory, "newest": None}
         if self._newest is not None:
             version, summary = self._newest
             out["newest"] = dict(summary, version=version,
@@ -100,7 +111,7 @@ class CheckpointProbe:
                                   "created": float(body.get("created", 0.0))})
 
 
-def member_line(member, record, now):
+def member_line(member: Member, record: WorkerRecord | None, now: float) -> dict[str, Any]:
     """One member of the current round: its place and its heartbeats' news."""
     out = {"worker_id": member.worker_id, "host": member.host, "rank": member.rank,
            "local_rank": member.local_rank}
@@ -119,7 +130,8 @@ def member_line(member, record, now):
                 commit_s=seconds.get("commit"), sync_s=seconds.get("sync"))
 
 
-def snapshot(driver, board, probe, drained, now):
+def snapshot(driver: Driver, board: StatusBoard, probe: CheckpointProbe, drained: Iterable[str],
+             now: float) -> dict[str, Any]:
     """The whole status as JSON-able data (``driver``: runner/driver.Driver)."""
     job, cfg, limits = driver.job, driver.cfg, driver.limits
     members = [member_line(m, driver.workers.get(m.worker_id), now) for m in job.members]
@@ -154,6 +166,6 @@ def snapshot(driver, board, probe, drained, now):
     }
 
 
-def checkpoint_dir(cfg):
+def checkpoint_dir(cfg: JobConfig) -> str | None:
     """The job's --checkpoint-dir, if it has one (as the workers get it)."""
     return (cfg.extra_env or {}).get(protocol.ENV_CHECKPOINT_DIR)

@@ -14,10 +14,20 @@ tests/test_ctl.py without processes; what a steered job does next is
 ``policy.decide``'s, from ``Facts.drained`` and ``Limits.max_np`` (tests/test_decide.py).
 """
 
+from __future__ import annotations
+
 import collections
 import os
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
 from elastic.protocol import Doorbell, Keys, ctl_key
+
+if TYPE_CHECKING:
+    from typing import TypeGuard  # Python 3.10's: a hint only
+
+    from elastic.control_store import ControlStore
+    from elastic.runner.control_plane import DriverControl
 
 LOOK_S = 0.2               # how often the driver looks at the inbox
 NAMES_PER_LOOK = 256       # more than this per look is a flood: the rest wait for a re-ring
@@ -28,7 +38,8 @@ OPS = ("status", "drain", "stop", "resize")
 STEERING = ("drain", "stop", "resize")
 
 
-def drain_refusal(host, slots, drained, min_np):
+def drain_refusal(host: str, slots: Mapping[str, int], drained: Collection[str],
+                  min_np: int) -> str | None:
     """Why ``host`` cannot be drained now (None: it can). ``slots``: host -> slots the
     job may use (discovered, not blacklisted); ``drained``: hosts drained already."""
     if host not in slots and host not in drained:
@@ -41,7 +52,7 @@ def drain_refusal(host, slots, drained, min_np):
     return None
 
 
-def resize_refusal(max_np, min_np):
+def resize_refusal(max_np: object, min_np: int) -> str | None:
     """Why --max-np cannot become ``max_np`` (None: it can)."""
     if isinstance(max_np, bool) or not isinstance(max_np, int) or max_np < 1:
         return f"--max-np must be a whole number of at least 1, got {max_np!r}"
@@ -50,7 +61,7 @@ def resize_refusal(max_np, min_np):
     return None
 
 
-def well_formed(request):
+def well_formed(request: object) -> TypeGuard[dict[str, Any]]:
     """Whether a verified request has a known op and the arguments that op needs."""
     if not isinstance(request, dict) or request.get("op") not in OPS:
         return False
@@ -62,7 +73,7 @@ def well_formed(request):
     return True
 
 
-def open_inbox(plane, secret):
+def open_inbox(plane: DriverControl, secret: str) -> Inbox:
     """The driver's inbox, on values sealed with elasticctl's key derived from the job
     ``secret`` (``plane``: the driver's control_plane.DriverControl). Its sealed hello
     lets elasticctl tell a wrong secret at once."""
@@ -74,17 +85,17 @@ def open_inbox(plane, secret):
 class Inbox:
     """The driver's end: new requests that verify, each once, and their answers."""
 
-    def __init__(self, control):
+    def __init__(self, control: ControlStore) -> None:
         self.control = control
         self._bell = Doorbell(control, Keys.CTL_INBOX)
         self._looked_at = float("-inf")
-        self._status_names = collections.OrderedDict()
-        self._steering_names = set()
-        self._replies = collections.deque()       # (when, name)
+        self._status_names: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._steering_names: set[str] = set()
+        self._replies: collections.deque[tuple[float, str]] = collections.deque()  # (when, name)
         self._read_since_reset = 0
         self.ignored = 0                          # names rung that did not verify
 
-    def poll(self, now):
+    def poll(self, now: float) -> list[tuple[str, dict[str, Any]]]:
         """[(name, request)] of the verified requests rung since the last look."""
         if now - self._looked_at < LOOK_S:
             return []
@@ -111,7 +122,7 @@ class Inbox:
             self.control.delete(Keys.CTL_INBOX)      # bounded; a name rung meanwhile re-rings
         return requests
 
-    def reply(self, name, value, now):
+    def reply(self, name: str, value: Any, now: float) -> None:
         self.control.put(Keys.ctl_reply(name), value)
         self._replies.append((now, name))
 

@@ -8,6 +8,11 @@ and every number rank 0 hands ``elastic.report_progress`` as ``progress/NAME``
 rank 0 last reported, so membership changes line up with the loss curve.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
 from elastic.exceptions import ElasticError
 
 FLUSH_S = 5
@@ -20,20 +25,21 @@ class TensorBoardError(ElasticError):
 class ScalarLog:
     """An ``EventLog`` listener that writes scalars."""
 
-    def __init__(self, directory):
+    def __init__(self, directory: str) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise TensorBoardError("--tensorboard needs the tensorboard package "
                                    "(pip install tensorboard)") from None
         try:
-            self._writer = SummaryWriter(log_dir=directory, flush_secs=FLUSH_S)
+            self._writer: SummaryWriter | None = SummaryWriter(log_dir=directory,
+                                                               flush_secs=FLUSH_S)
         except OSError as exc:
             raise TensorBoardError(f"--tensorboard {directory!r}: {exc.strerror}") from None
         self.directory = directory
         self.step = 0             # the training step rank 0 last reported
 
-    def on_event(self, event, fields):
+    def on_event(self, event: str, fields: Mapping[str, Any]) -> None:
         writer = self._writer
         if writer is None:
             return
@@ -54,7 +60,7 @@ class ScalarLog:
                 tag = "progress/steps_per_second" if name == "rate" else f"progress/{name}"
                 writer.add_scalar(tag, value, self.step)
 
-    def close(self):
+    def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None

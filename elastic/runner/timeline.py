@@ -5,23 +5,30 @@ and evictions as red marks. matplotlib is an optional extra
 (`pip install elastic-train[report]`).
 """
 
+from __future__ import annotations
+
 import argparse
 import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from elastic.streams import read_json_lines
 
 
-def load(path):
+def load(path: str) -> list[Any]:
     """The events of ``path``; ValueError names a line that is not JSON."""
     return read_json_lines(path, strict=True)
 
 
-def timeline(events):
+def timeline(events: Sequence[Mapping[str, Any]],
+             ) -> tuple[list[tuple[float, int]], list[tuple[float, float]], list[tuple[float, str]]]:
     """(sizes, pauses, failures) with times in seconds since the first event."""
     if not events:
         return [], [], []
     t0 = events[0]["time"]
-    sizes, pauses, failures = [], [], []
+    sizes: list[tuple[float, int]] = []
+    pauses: list[tuple[float, float]] = []
+    failures: list[tuple[float, str]] = []
     for e in events:
         t = e["time"] - t0
         if e["event"] == "round_started":
@@ -35,7 +42,7 @@ def timeline(events):
     return sizes, pauses, failures
 
 
-def draw(events, out):
+def draw(events: Sequence[Mapping[str, Any]], out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -61,7 +68,7 @@ def draw(events, out):
     plt.close(fig)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m elastic.runner.timeline",
                                      description="Draw an elasticrun --event-log file.")
     parser.add_argument("event_log")

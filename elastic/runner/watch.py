@@ -8,16 +8,22 @@ reaches ``policy.decide`` only as facts: drained hosts (``Facts.drained``), a ne
 ``Limits.max_np``, or the same stop a SIGTERM to elasticrun starts.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import logging
 import math
 import signal
+from typing import TYPE_CHECKING, Any
 
 from elastic.exceptions import ElasticError
 from elastic.runner import jobfiles, steering
 from elastic.runner.metrics import Exporter, MetricsError
 from elastic.runner.status import CheckpointProbe, StatusBoard, checkpoint_dir, snapshot
 from elastic.runner.tensorboard_log import ScalarLog, TensorBoardError
+
+if TYPE_CHECKING:
+    from elastic.runner.driver import Driver
 
 log = logging.getLogger("elasticrun")
 METRICS_EVERY_S = 1.0
@@ -28,13 +34,15 @@ class WatchError(ElasticError):
 
 
 class Watch:
-    def __init__(self, driver):
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
         cfg = driver.cfg
         self.board = StatusBoard()
         self.probe = CheckpointProbe(checkpoint_dir(cfg))
-        self.drained = frozenset()
-        self.metrics = self.scalars = self.job_file = None
+        self.drained: frozenset[str] = frozenset()
+        self.metrics: Exporter | None = None
+        self.scalars: ScalarLog | None = None
+        self.job_file: str | None = None
         self._summarised_at = -math.inf
         try:
             if cfg.metrics_port is not None:
@@ -59,13 +67,13 @@ class Watch:
             log.warning("no job file for elasticctl (%s); use elasticctl --addr with "
                         "--secret-file", exc.strerror or exc)
 
-    def status(self, now):
+    def status(self, now: float) -> dict[str, Any]:
         status = snapshot(self.driver, self.board, self.probe, self.drained, now)
         if self.metrics is not None:
             status["job"]["metrics_port"] = self.metrics.port
         return status
 
-    def tick(self, now):
+    def tick(self, now: float) -> bool:
         """Answer elasticctl; True when a request steered the job (decide must look)."""
         steered = False
         for name, request in self.inbox.poll(now):
@@ -77,7 +85,7 @@ class Watch:
             self.metrics.update(self.status(now))
         return steered
 
-    def handle(self, request, now):
+    def handle(self, request: dict[str, Any], now: float) -> tuple[dict[str, Any], bool]:
         """(the reply, whether the job was steered) for one verified request."""
         op, driver = request["op"], self.driver
         if op == "status":
@@ -111,7 +119,7 @@ class Watch:
         driver.events.emit("max_np_changed", old=old, new=new)
         return {"ok": True, "message": f"--max-np is now {new} (was {old})"}, True
 
-    def close(self):
+    def close(self) -> None:
         if self.job_file is not None:
             jobfiles.remove(self.job_file)
             self.job_file = None
