@@ -3,7 +3,7 @@ at once, nobody is evicted for it while the network may come back (blackout.py).
 
 import dataclasses
 
-from test_decide import World
+from support.decide_world import World
 
 from elastic.runner.blackout import NETWORK_WAIT_S, NetworkQuiet
 from elastic.runner.decisions import Evict, HostFailed, Limits

@@ -23,13 +23,12 @@ from elastic.checkpoint.checkpointer import Checkpointer, resolve
 from elastic.checkpoint.writer import write_checkpoint
 from elastic.protocol import ENV_ADDR
 from elastic.state.states import TorchState
-from elastic.training.sampler import ElasticSampler
 from elastic.worker import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
-from support.jobs import REPO, Job, wait_unlocked  # noqa: E402
+from support.ckpt_jobs import ckpt_job, small_training, train_step  # noqa: E402
+from support.jobs import wait_unlocked  # noqa: E402
 
-WORKLOAD = REPO / "tests" / "workloads" / "ckpt_train.py"
 STEPS = 6 * 64 // 8          # ckpt_train.py's defaults at world size 2
 TEMP_MANIFEST = re.compile(r"^ckpt-\d{12}\.json\.\d+\.tmp$")
 
@@ -202,35 +201,15 @@ def test_prune_keeps_the_newest_k_and_every_blob_they_reference(tmp_path):
 
 
 # -- the Checkpointer ---------------------------------------------------------------------------
-def _build(seed=0, freeze_first=False, width=16):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
-                                torch.nn.Linear(width, width))
-    if freeze_first:
-        for p in model[0].parameters():
-            p.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=1e-2)
-    sampler = ElasticSampler(list(range(40)), shuffle=True, seed=3)
-    return model, optimizer, sampler
-
-
-def _step(model, optimizer, sampler, i, width=16):
-    g = torch.Generator().manual_seed(i)
-    x = torch.randn(4, width, generator=g)
-    optimizer.zero_grad()
-    model(x).pow(2).mean().backward()
-    optimizer.step()
-    sampler.record_batch(i, 4)
 
 
 def test_a_new_state_resumes_from_the_newest_checkpoint(tmp_path):
-    model, optimizer, sampler = _build()
+    model, optimizer, sampler = small_training()
     ck = Checkpointer(tmp_path / "ck", every_commits=3, keep=2)
     state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, epoch=0, batch=0)
     state.sync()
     for i in range(8):
-        _step(model, optimizer, sampler, i)
+        train_step(model, optimizer, sampler, i)
         state.batch += 1
         state.commit()
         assert ck.wait(60)                   # deterministic versions: no deferral
@@ -239,7 +218,7 @@ def test_a_new_state_resumes_from_the_newest_checkpoint(tmp_path):
     assert [v for v, _ in store.list_checkpoints(str(tmp_path / "ck"))] == [6, 8]
     expected = state.capture()
 
-    model2, optimizer2, sampler2 = _build(seed=99)
+    model2, optimizer2, sampler2 = small_training(seed=99)
     ck2 = Checkpointer(tmp_path / "ck")
     state2 = TorchState(model2, optimizer2, elastic_checkpoint=ck2, sampler=sampler2, epoch=0, batch=0)
     state2.sync()
@@ -250,7 +229,7 @@ def test_a_new_state_resumes_from_the_newest_checkpoint(tmp_path):
 
 
 def test_a_commit_never_waits_for_the_writer_nor_overwrites_what_it_reads(tmp_path):
-    model, optimizer, sampler = _build(width=256)      # 256 KB weights: blobs of their own
+    model, optimizer, sampler = small_training(width=256)      # 256 KB weights: blobs of their own
     ck = Checkpointer(tmp_path, every_commits=1)
     ck.test_hold_s = 1.0                      # the writer reads the big buffers only after 1 s
     state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, step=0)
@@ -282,13 +261,13 @@ def test_a_commit_never_waits_for_the_writer_nor_overwrites_what_it_reads(tmp_pa
 def test_half_the_parameters_frozen_writes_about_half_the_bytes(tmp_path):
     written = {}
     for frozen in (False, True):
-        model, optimizer, sampler = _build(freeze_first=frozen, width=256)
+        model, optimizer, sampler = small_training(freeze_first=frozen, width=256)
         ck = Checkpointer(tmp_path / str(frozen), every_commits=1)
         state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, step=0)
         state.sync()
         per_checkpoint = []
         for i in range(4):
-            _step(model, optimizer, sampler, i, width=256)
+            train_step(model, optimizer, sampler, i, width=256)
             state.commit()
             assert ck.wait(60)
             per_checkpoint.append(ck.stats["last"]["bytes_written"])
@@ -305,7 +284,7 @@ def test_a_directory_held_by_another_job_stops_with_one_line(tmp_path):
     other = FileLock(os.path.join(tmp_path, "LOCK"))        # another job's writer
     other.acquire()
     (tmp_path / "LOCK.owner").write_text(json.dumps({"job": "other", "host": "h", "pid": 1}))
-    model, optimizer, _ = _build()
+    model, optimizer, _ = small_training()
     ck = Checkpointer(tmp_path)
     ck.lock_wait_s = 0.3
     state = TorchState(model, optimizer, elastic_checkpoint=ck)
@@ -350,11 +329,6 @@ def test_arguments_and_the_environment_default(tmp_path, monkeypatch):
 
 
 # -- real jobs ----------------------------------------------------------------------------------
-def _job(path, np, ckpt=None, env=None, hosts=None):
-    args = ["-np", str(np), "-H", hosts or f"localhost:{np}"]
-    if ckpt is not None:
-        args += ["--checkpoint-dir", str(ckpt)]
-    return Job(path, args, env=env, script=WORKLOAD)
 
 
 def _kill_driver(job):
@@ -372,7 +346,7 @@ def _resumed_version(job):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Final parameters of the same job run without a break (and without checkpoints)."""
-    job = _job(tmp_path_factory.mktemp("baseline"), 2)
+    job = ckpt_job(tmp_path_factory.mktemp("baseline"), 2)
     finals = job.assert_ok(job.run(), epochs=6, samples=64, final_size=2)
     return finals[0]
 
@@ -380,12 +354,12 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 def test_sigkill_of_the_driver_then_rerun_resumes_bitwise(tmp_path, uninterrupted):
     ckpt = tmp_path / "ckpt"
-    first = _job(tmp_path / "run1", 2, ckpt, env={"JOB_STEP_SLEEP": "0.05"}).start()
+    first = ckpt_job(tmp_path / "run1", 2, ckpt, env={"JOB_STEP_SLEEP": "0.05"}).start()
     first.wait_for(lambda: store.list_checkpoints(str(ckpt)), "a checkpoint")
     _kill_driver(first)
     assert not first.finals(), "the job ended before the kill"
     wait_unlocked(ckpt)
-    rerun = _job(tmp_path / "run2", 2, ckpt, env={"JOB_STEP_SLEEP": "0.05"})
+    rerun = ckpt_job(tmp_path / "run2", 2, ckpt, env={"JOB_STEP_SLEEP": "0.05"})
     finals = rerun.assert_ok(rerun.run(), epochs=6, samples=64, final_size=2)
     version = _resumed_version(rerun)
     assert finals[0]["resumed_from"]["version"] == version and 0 < version
@@ -398,7 +372,7 @@ def test_sigkill_of_the_driver_then_rerun_resumes_bitwise(tmp_path, uninterrupte
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_at_another_size(tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = _job(tmp_path / "run1", 2, ckpt)
+    first = ckpt_job(tmp_path / "run1", 2, ckpt)
     first.assert_ok(first.run(), epochs=6, samples=64, final_size=2)
     (v_prev, _), (v_new, newest) = store.list_checkpoints(str(ckpt))[-2:]
     body = store.read_manifest(newest)
@@ -409,7 +383,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_at_another_size(tm
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    rerun = _job(tmp_path / "run2", 1, ckpt)
+    rerun = ckpt_job(tmp_path / "run2", 1, ckpt)
     finals = rerun.assert_ok(rerun.run(), epochs=6, samples=64, final_size=1)
     out = rerun.output()
     assert f"ckpt-{v_new:012d}.json is corrupt" in out and "warning" in out, out[-3000:]
@@ -420,9 +394,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_at_another_size(tm
 @pytest.mark.slow
 def test_a_second_job_on_the_same_directory_gets_one_clear_error(tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = _job(tmp_path / "run1", 2, ckpt, env={"JOB_HOLD": "3"}).start()
+    first = ckpt_job(tmp_path / "run1", 2, ckpt, env={"JOB_HOLD": "3"}).start()
     first.wait_step(3)
-    second = _job(tmp_path / "run2", 1, ckpt, env={"ELASTIC_CHECKPOINT_LOCK_WAIT": "1"})
+    second = ckpt_job(tmp_path / "run2", 1, ckpt, env={"ELASTIC_CHECKPOINT_LOCK_WAIT": "1"})
     code = second.run()
     out = second.output()
     line = f"elastic: checkpoint directory {ckpt} is in use by another job"
@@ -439,8 +413,8 @@ def test_a_second_job_on_the_same_directory_gets_one_clear_error(tmp_path):
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_never_loads_a_partial_one(tmp_path, uninterrupted):
     ckpt = tmp_path / "ckpt"
-    first = _job(tmp_path / "run1", 2, ckpt,
-                 env={"JOB_HOLD": "2", "ELASTIC_CHECKPOINT_TEST_DELAY": "1"}).start()
+    first = ckpt_job(tmp_path / "run1", 2, ckpt,
+                     env={"JOB_HOLD": "2", "ELASTIC_CHECKPOINT_TEST_DELAY": "1"}).start()
     first.wait_for(lambda: store.list_checkpoints(str(ckpt)) and any(
         TEMP_MANIFEST.match(n) for n in os.listdir(ckpt)), "a manifest being written")
     _kill_driver(first)
@@ -450,7 +424,7 @@ def test_sigkill_during_a_checkpoint_write_never_loads_a_partial_one(tmp_path, u
     visible = store.list_checkpoints(str(ckpt))
     for _version, path in visible:             # whatever is visible is complete
         store.read_checkpoint(str(ckpt), store.read_manifest(path))
-    rerun = _job(tmp_path / "run2", 2, ckpt)
+    rerun = ckpt_job(tmp_path / "run2", 2, ckpt)
     finals = rerun.assert_ok(rerun.run(), epochs=6, samples=64, final_size=2)
     assert _resumed_version(rerun) == visible[-1][0]
     assert "corrupt" not in rerun.output()
@@ -462,8 +436,8 @@ def test_sigkill_during_a_checkpoint_write_never_loads_a_partial_one(tmp_path, u
 @pytest.mark.slow
 def test_when_rank_0_dies_the_next_rank_0_takes_over_the_writing(tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = _job(tmp_path / "run", 2, ckpt, env={"JOB_KILL_RANK0_AT": "15"},
-               hosts="localhost:1,127.0.0.1:1")
+    job = ckpt_job(tmp_path / "run", 2, ckpt, env={"JOB_KILL_RANK0_AT": "15"},
+                   hosts="localhost:1,127.0.0.1:1")
     job.args[:0] = ["--min-np", "1"]
     finals = job.assert_ok(job.run(), epochs=6, samples=64, final_size=1)
     assert "blacklisting host localhost" in job.output()

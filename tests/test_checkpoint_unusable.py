@@ -16,7 +16,7 @@ import sys
 import types
 
 import pytest
-from test_checkpoint import _build, _job, _step
+from support.ckpt_jobs import ckpt_job, small_training, train_step
 
 from elastic.checkpoint import format as store
 from elastic.checkpoint.checkpointer import Checkpointer
@@ -39,12 +39,12 @@ def standalone(monkeypatch):
 
 def _train(directory, commits=6):
     """A state that commits ``commits`` times with a checkpoint at every third commit."""
-    model, optimizer, sampler = _build()
+    model, optimizer, sampler = small_training()
     ck = Checkpointer(directory, every_commits=3, keep=5)
     state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, batch=0)
     state.sync()
     for i in range(commits):
-        _step(model, optimizer, sampler, i)
+        train_step(model, optimizer, sampler, i)
         state.batch += 1
         state.commit()
         assert ck.wait(60)
@@ -87,7 +87,7 @@ def _unpicklable_newest(directory, version):
 
 
 def _resume(directory, unusable=None, width=16):
-    model, optimizer, sampler = _build(seed=99, width=width)
+    model, optimizer, sampler = small_training(seed=99, width=width)
     ck = Checkpointer(directory, unusable=unusable)
     state = TorchState(model, optimizer, elastic_checkpoint=ck, sampler=sampler, batch=0)
     state.sync()
@@ -160,10 +160,10 @@ def test_another_model_never_starts_from_scratch(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_job_of_another_model_stops_with_one_line_and_blames_no_host(tmp_path):
     ckpt = tmp_path / "ck"
-    first = _job(tmp_path / "a", 2, ckpt, env={"JOB_EPOCHS": "1"})
+    first = ckpt_job(tmp_path / "a", 2, ckpt, env={"JOB_EPOCHS": "1"})
     assert first.run() == 0, first.output()[-3000:]
     assert store.list_checkpoints(str(ckpt))
-    job = _job(tmp_path / "b", 2, ckpt, env={"JOB_EPOCHS": "1", "JOB_WIDTH": "16"})
+    job = ckpt_job(tmp_path / "b", 2, ckpt, env={"JOB_EPOCHS": "1", "JOB_WIDTH": "16"})
     code = job.run()
     out = job.output()
     assert code == 1, out[-3000:]

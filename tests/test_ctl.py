@@ -22,7 +22,8 @@ import time
 import pytest
 from support.harness import REPO, free_port
 from support.jobs import Job
-from test_faults import assert_no_worker_left, wait_until
+from support.procs import assert_no_worker_left
+from support.waits import wait_until
 
 from elastic import protocol as control
 from elastic.auth import Sealer

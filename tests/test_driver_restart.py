@@ -15,8 +15,8 @@ import sys
 import pytest
 from support.adversary import Outsider
 from support.jobs import REPO
-from support.join_cluster import wait_until
 from support.procs import alive, job_workers
+from support.waits import wait_until
 
 from elastic.checkpoint.format import blob_checks, blob_path, list_checkpoints, read_manifest
 

@@ -12,13 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from support.harness import REPO, free_port, publish_round
 from support.jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships, hosts_by_rank, sizes_in_order
-from support.procs import job_workers
+from support.procs import assert_no_worker_left, job_workers, pid_of
 from support.procs import state as proc_state
+from support.waits import wait_until
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys
@@ -43,44 +43,11 @@ def argv0(pid):
         return ""
 
 
-def wait_until(predicate, what, timeout=120, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def pid_of(out, worker_id, timeout=60):
-    def find():
-        return next((pid for pid, env in job_workers(out).items()
-                     if env["ELASTIC_WORKER_ID"] == worker_id), None)
-    return wait_until(find, f"the process of worker {worker_id}", timeout)
-
-
 def reap_driver(job, timeout=60):
     try:
         return job.proc.wait(timeout)
     finally:
         job.close_log()
-
-
-def assert_no_worker_left(job, within=GONE_WITHIN_S):
-    deadline = time.monotonic() + within
-    left = job_workers(job.out)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = job_workers(job.out)
-    for pid in left:                      # do not leak them into the next test
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, (f"workers still running {within} s after the driver went away: "
-                      f"{ {pid: env['ELASTIC_WORKER_ID'] for pid, env in left.items()} }\n"
-                      + job.output()[-3000:])
 
 
 # -- a. a hung worker is evicted ---------------------------------------------------------

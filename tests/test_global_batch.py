@@ -390,7 +390,7 @@ def test_standalone_matches_a_plain_full_batch_step():
 
 
 def test_no_sync_after_the_allreduce_launched_is_an_error(monkeypatch):
-    from test_optimizer import FakeComm, FakeWorker
+    from support.optimizer_fakes import FakeComm, FakeWorker
     FakeComm(monkeypatch, FakeWorker())
     model = torch.nn.Linear(3, 1)
     opt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

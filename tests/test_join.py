@@ -14,8 +14,9 @@ import sys
 import pytest
 from support.adversary import FAKE_MAC, FirstSightVandal, Outsider
 from support.jobs import REPO
-from support.join_cluster import ELASTICRUN, wait_until
+from support.join_cluster import ELASTICRUN
 from support.procs import job_workers
+from support.waits import wait_until
 
 from elastic import protocol
 from elastic.checkpoint.format import list_checkpoints

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 from support.jobs import Job
-from test_faults import wait_until
+from support.waits import wait_until
 
 from elastic import protocol
 from elastic.ctl import cli as ctl_cli

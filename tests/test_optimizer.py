@@ -10,10 +10,11 @@ import torch
 
 from elastic.exceptions import WorkersDepartedError
 from elastic.training.optimizer import Compression, DistributedOptimizer
-from elastic.worker import collectives, runtime
+from elastic.worker import collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
 from support.harness import check_ok, run_workers  # noqa: E402
+from support.optimizer_fakes import FakeComm, FakeWorker, batch_of, tiny_model, train_steps  # noqa: E402
 
 # The worker script: each rank trains every config, then saves its parameters.
 # The test process imports the same file to compute single-process references.
@@ -143,27 +144,7 @@ def _load_worker_module(path):
     return module
 
 
-
-
 # -- standalone (size 1) --------------------------------------------------------------------------
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-
-
-def _batch(i):
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(7, 6, generator=g), torch.randn(7, 3, generator=g)
-
-
-def _train(model, opt, steps=5, k=1):
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(k):
-            x, y = _batch(10 * step + micro)
-            ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("make_opt", [
@@ -173,27 +154,27 @@ def _train(model, opt, steps=5, k=1):
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("compression", [Compression.none, Compression.fp16])
 def test_standalone_matches_plain_optimizer_bitwise(make_opt, k, compression):
-    plain_model, wrapped_model = _model(), _model()
-    expected = _train(plain_model, make_opt(plain_model.parameters()), k=k)
+    plain_model, wrapped_model = tiny_model(), tiny_model()
+    expected = train_steps(plain_model, make_opt(plain_model.parameters()), k=k)
     dopt = DistributedOptimizer(make_opt(wrapped_model.parameters()),
                                 named_parameters=wrapped_model.named_parameters(),
                                 compression=compression, backward_passes_per_step=k,
                                 bucket_cap_mb=1e-4)
-    got = _train(wrapped_model, dopt, k=k)
+    got = train_steps(wrapped_model, dopt, k=k)
     assert dopt.bucket_count > 1
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
 
 
 def test_accumulation_sums_k_backward_passes():
-    single, accum = _model(), _model()
-    _train(single, DistributedOptimizer(torch.optim.SGD(single.parameters(), lr=0.1)), steps=1)
+    single, accum = tiny_model(), tiny_model()
+    train_steps(single, DistributedOptimizer(torch.optim.SGD(single.parameters(), lr=0.1)), steps=1)
     dopt = DistributedOptimizer(torch.optim.SGD(accum.parameters(), lr=0.1),
                                 backward_passes_per_step=2)
-    _train(accum, dopt, steps=1, k=2)
+    train_steps(accum, dopt, steps=1, k=2)
     assert not all(torch.equal(a, b) for a, b in zip(single.parameters(), accum.parameters()))
     # A third pass before step() would silently miss the allreduce: it is an error instead.
-    x, y = _batch(0)
+    x, y = batch_of(0)
     for _ in range(2):
         ((accum(x) - y) ** 2).mean().backward()
     with pytest.raises(RuntimeError, match="backward_passes_per_step"):
@@ -203,12 +184,12 @@ def test_accumulation_sums_k_backward_passes():
 def test_fp16_halves_wire_bytes():
     counts = {}
     for name, compression in [("none", Compression.none), ("fp16", Compression.fp16)]:
-        model = _model()
+        model = tiny_model()
         dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     compression=compression)
-        _train(model, dopt, steps=3)
+        train_steps(model, dopt, steps=3)
         counts[name] = dopt.wire_bytes
-    n_params = sum(p.numel() for p in _model().parameters())
+    n_params = sum(p.numel() for p in tiny_model().parameters())
     assert counts["none"] == 3 * 4 * n_params
     assert counts["fp16"] * 2 == counts["none"]
 
@@ -225,37 +206,37 @@ def test_compressors_round_trip():
 
 
 def test_delegates_to_wrapped_optimizer():
-    model = _model()
+    model = tiny_model()
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
     dopt = DistributedOptimizer(inner)
     assert isinstance(dopt, torch.optim.Optimizer)
     assert dopt.param_groups is inner.param_groups and dopt.state is inner.state
     assert dopt.defaults is inner.defaults
-    _train(model, dopt, steps=2)
+    train_steps(model, dopt, steps=2)
     assert all(p.grad is not None for p in model.parameters())
     dopt.zero_grad()  # gradients stay views into the buckets, zeroed in place
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     saved = dopt.state_dict()
     assert saved["state"][0]["step"] == inner.state_dict()["state"][0]["step"]
-    fresh_model = _model()
+    fresh_model = tiny_model()
     fresh = DistributedOptimizer(torch.optim.Adam(fresh_model.parameters(), lr=0.01))
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
     # Unknown attributes come from the wrapped optimizer; lr schedulers accept the wrapper.
     assert dopt.register_step_post_hook is not None
     scheduler = torch.optim.lr_scheduler.StepLR(dopt, step_size=1, gamma=0.5)
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     scheduler.step()
     assert inner.param_groups[0]["lr"] == pytest.approx(0.005)
     extra = torch.nn.Parameter(torch.zeros(2))
     dopt.add_param_group({"params": [extra]})
-    (extra.sum() + model(_batch(0)[0]).sum()).backward()
+    (extra.sum() + model(batch_of(0)[0]).sum()).backward()
     dopt.step()
     assert dopt.bucket_count >= 1 and not torch.equal(extra, torch.zeros(2))
 
 
 def test_named_parameters_are_validated():
-    model = _model()
+    model = tiny_model()
     named = list(model.named_parameters())
     with pytest.raises(ValueError, match="duplicate"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -273,38 +254,14 @@ def test_named_parameters_are_validated():
 
 
 # -- a faked worker: launch order, overlap, rebuilds ----------------------------------------------
-class FakeWorker:
-    def __init__(self):
-        self.round_id = 1
-        self.membership = runtime.Membership(rank=0, size=2)
-
-
-class FakeComm:
-    """Records launches; averages with a peer whose gradient equals ours times three."""
-
-    def __init__(self, monkeypatch, worker):
-        self.launched, self.fail = [], False
-        monkeypatch.setattr(runtime, "worker", lambda: worker)
-        monkeypatch.setattr(runtime, "ensure_joined", lambda: worker)
-        monkeypatch.setattr(collectives, "allreduce_async", self.allreduce_async)
-        monkeypatch.setattr(collectives, "synchronize", self.synchronize)
-
-    def allreduce_async(self, tensor, op):
-        self.launched.append(tensor)
-        return tensor
-
-    def synchronize(self, tensor):
-        if self.fail:
-            raise WorkersDepartedError("peer died")
-        tensor.mul_(2)  # (g + 3g) / 2
 
 
 def test_buckets_launch_during_backward_in_reverse_order(monkeypatch):
     comm = FakeComm(monkeypatch, FakeWorker())
-    model = _model()
+    model = tiny_model()
     params = list(model.parameters())
     dopt = DistributedOptimizer(torch.optim.SGD(params, lr=0.1), bucket_cap_mb=1e-6)
-    x, y = _batch(0)
+    x, y = batch_of(0)
     ((model(x) - y) ** 2).mean().backward()
     # Every bucket was launched by the hooks, before step(): communication overlaps backward.
     assert [t.numel() for t in comm.launched] == [p.numel() for p in reversed(params)]
@@ -318,12 +275,12 @@ def test_buckets_launch_during_backward_in_reverse_order(monkeypatch):
 
 def test_unused_parameter_holds_back_later_buckets_and_sends_zeros(monkeypatch):
     comm = FakeComm(monkeypatch, FakeWorker())
-    model = _model()
+    model = tiny_model()
     unused = torch.nn.Parameter(torch.ones(4))
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
     params = [unused, frozen] + list(model.parameters())  # unused goes in the last bucket
     dopt = DistributedOptimizer(torch.optim.SGD(params, lr=0.1), bucket_cap_mb=1e-6)
-    x, y = _batch(0)
+    x, y = batch_of(0)
     ((model(x) - y) ** 2).mean().backward()
     assert len(comm.launched) == 4  # the model's buckets; the unused one waits for synchronize
     dopt.step()
@@ -335,26 +292,26 @@ def test_unused_parameter_holds_back_later_buckets_and_sends_zeros(monkeypatch):
 def test_new_round_and_departed_workers_rebuild_buffers(monkeypatch):
     worker = FakeWorker()
     comm = FakeComm(monkeypatch, worker)
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    _train(model, dopt, steps=2)
+    train_steps(model, dopt, steps=2)
     first = comm.launched[0]
     assert all(t is first for t in comm.launched)  # one preallocated buffer, reused
     worker.round_id = 2
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     assert comm.launched[-1] is not first  # new round: new buffer
     second = comm.launched[-1]
     comm.fail = True
     with pytest.raises(WorkersDepartedError):
-        _train(model, dopt, steps=1)
+        train_steps(model, dopt, steps=1)
     comm.fail = False
-    _train(model, dopt, steps=1)  # same round id, yet the abandoned buffer is not reused
+    train_steps(model, dopt, steps=1)  # same round id, yet the abandoned buffer is not reused
     assert comm.launched[-1] is not second
     # A failure while launching from a hook surfaces from synchronize(), not mid-backward.
     monkeypatch.setattr(collectives, "allreduce_async",
                         lambda t, op: (_ for _ in ()).throw(WorkersDepartedError("gone")))
     dopt.zero_grad()
-    x, y = _batch(0)
+    x, y = batch_of(0)
     ((model(x) - y) ** 2).mean().backward()
     with pytest.raises(WorkersDepartedError):
         dopt.step()

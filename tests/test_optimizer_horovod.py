@@ -13,7 +13,7 @@ from elastic.worker import collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
 from support.harness import check_ok, run_workers  # noqa: E402
-from test_optimizer import FakeComm, FakeWorker, _batch, _model, _train  # noqa: E402
+from support.optimizer_fakes import FakeComm, FakeWorker, batch_of, tiny_model, train_steps  # noqa: E402
 
 
 def _sgd(model, **kw):
@@ -31,7 +31,7 @@ def _is_view_of(grad, flats):
 
 # -- the signature --------------------------------------------------------------------------
 def test_wrapper_is_an_instance_of_the_wrapped_class():
-    model = _model()
+    model = tiny_model()
     for make in (lambda: torch.optim.SGD(model.parameters(), lr=0.1),
                  lambda: torch.optim.Adam(model.parameters(), lr=0.1)):
         inner = make()
@@ -44,7 +44,7 @@ def test_wrapper_is_an_instance_of_the_wrapped_class():
 
 
 def test_horovod_positional_order_and_bucket_cap_keyword_only():
-    model = _model()
+    model = tiny_model()
     # optimizer, named_parameters, compression, backward_passes_per_step, op,
     # gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set
     dopt = DistributedOptimizer(_sgd(model), model.named_parameters(), Compression.none, 2,
@@ -66,42 +66,42 @@ def test_horovod_positional_order_and_bucket_cap_keyword_only():
 
 
 def test_groups_are_validated_and_fix_the_buckets(monkeypatch):
-    model = _model()
+    model = tiny_model()
     params = list(model.parameters())
     for bad in (-1, "two", [[torch.zeros(2)]], [[params[0]], [params[0]]], [[1.0]]):
         with pytest.raises(ValueError):
             DistributedOptimizer(_sgd(model), groups=bad)
     comm = FakeComm(monkeypatch, FakeWorker())
     dopt = DistributedOptimizer(_sgd(model), groups=2, bucket_cap_mb=1e-6)
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     assert dopt.bucket_count == 2
     dopt = DistributedOptimizer(_sgd(model), num_groups=3)   # Horovod's older name
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     assert dopt.bucket_count == 3
     # Listed groups travel together; the rest go in size-capped buckets.
     dopt = DistributedOptimizer(_sgd(model), groups=[[params[0], params[3]]], bucket_cap_mb=1e-6)
     comm.launched.clear()
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     assert dopt.bucket_count == 3
     assert sorted(t.numel() for t in comm.launched) == sorted(
         [params[0].numel() + params[3].numel(), params[1].numel(), params[2].numel()])
 
 
 def test_set_backward_passes_per_step():
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(_sgd(model))
     dopt.set_backward_passes_per_step(3)
     assert dopt.backward_passes_per_step == 3
-    _train(model, dopt, steps=2, k=3)  # three passes before each step are no error
+    train_steps(model, dopt, steps=2, k=3)  # three passes before each step are no error
     with pytest.raises(ValueError):
         dopt.set_backward_passes_per_step(0)
 
 
 def test_predivide_factor_gives_the_average(monkeypatch):
     FakeComm(monkeypatch, FakeWorker())
-    a, b = _model(), _model()
-    ref = _train(a, DistributedOptimizer(_sgd(a)), steps=3)
-    got = _train(b, DistributedOptimizer(_sgd(b), gradient_predivide_factor=4.0), steps=3)
+    a, b = tiny_model(), tiny_model()
+    ref = train_steps(a, DistributedOptimizer(_sgd(a)), steps=3)
+    got = train_steps(b, DistributedOptimizer(_sgd(b), gradient_predivide_factor=4.0), steps=3)
     for x, y in zip(ref, got):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
@@ -109,15 +109,15 @@ def test_predivide_factor_gives_the_average(monkeypatch):
 # -- gradients as bucket views ---------------------------------------------------------------
 def test_gradients_are_views_into_the_buckets_without_copies(monkeypatch):
     comm = FakeComm(monkeypatch, FakeWorker())
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(_sgd(model), bucket_cap_mb=1e-4)
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     flats = _flats(dopt)
     assert len(flats) > 1 and all(_is_view_of(p.grad, flats) for p in model.parameters())
     grads = [p.grad for p in model.parameters()]
     # Another step: the same views, and the allreduce ran on the very buffers backward wrote.
     comm.launched.clear()
-    x, y = _batch(3)
+    x, y = batch_of(3)
     dopt.zero_grad()
     assert not any(g.any() for g in grads)
     ((model(x) - y) ** 2).mean().backward()
@@ -132,11 +132,11 @@ def test_gradients_are_views_into_the_buckets_without_copies(monkeypatch):
 def test_module_zero_grad_and_new_round_rebuild_the_views(monkeypatch):
     worker = FakeWorker()
     FakeComm(monkeypatch, worker)
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(_sgd(model))
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     model.zero_grad()   # gradients None: backward makes new ones, copied in once
-    x, y = _batch(5)
+    x, y = batch_of(5)
     ((model(x) - y) ** 2).mean().backward()
     local = [p.grad.clone() for p in model.parameters()]
     dopt.step()
@@ -157,11 +157,11 @@ def test_module_zero_grad_and_new_round_rebuild_the_views(monkeypatch):
 
 def test_failed_step_releases_the_views(monkeypatch):
     comm = FakeComm(monkeypatch, FakeWorker())
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(_sgd(model))
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     comm.fail = True
-    x, y = _batch(1)
+    x, y = batch_of(1)
     dopt.zero_grad()
     ((model(x) - y) ** 2).mean().backward()
     with pytest.raises(WorkersDepartedError):
@@ -169,19 +169,19 @@ def test_failed_step_releases_the_views(monkeypatch):
     # Abandoned work may still write the old buffer: no gradient may point into it.
     assert all(p.grad is None for p in model.parameters())
     comm.fail = False
-    _train(model, dopt, steps=1)
+    train_steps(model, dopt, steps=1)
     assert all(_is_view_of(p.grad, _flats(dopt)) for p in model.parameters())
 
 
 def test_freezing_a_layer_later_leaves_it_alone(monkeypatch):
     FakeComm(monkeypatch, FakeWorker())
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(_sgd(model, weight_decay=0.1))
-    _train(model, dopt, steps=2)
+    train_steps(model, dopt, steps=2)
     frozen = model[0].weight
     frozen.requires_grad_(False)
     before = frozen.detach().clone()
-    _train(model, dopt, steps=2)
+    train_steps(model, dopt, steps=2)
     assert frozen.grad is None and torch.equal(frozen, before)
     assert all(_is_view_of(p.grad, _flats(dopt)) for p in model.parameters() if p.requires_grad)
 
@@ -280,9 +280,9 @@ def test_gloo_reduced_gradients_equal_a_reference_average(tmp_path):
 
 
 def test_too_many_backward_passes_raise_horovods_assertion_error_from_backward():
-    model = _model()
+    model = tiny_model()
     dopt = DistributedOptimizer(_sgd(model), backward_passes_per_step=2)
-    x, y = _batch(0)
+    x, y = batch_of(0)
     for _ in range(2):
         ((model(x) - y) ** 2).mean().backward()
     with pytest.raises(AssertionError, match="backward_passes_per_step=3"):

@@ -8,18 +8,12 @@ bounded number of attempts, with the worker's own error text in the driver's log
 event log. Waits poll files under generous deadlines; nothing sleeps a fixed time.
 """
 
-import json
-import os
 import re
 import signal
 
 import pytest
-from support.jobs import Job, kill_leftover_jobs
-from support.procs import job_workers
-from test_faults import wait_until
-
-from elastic import protocol as control
-from elastic.protocol import ControlStore, Keys
+from support.holder_loss import events, logged_job, lose_every_holder
+from support.jobs import kill_leftover_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -31,25 +25,11 @@ def started():
     kill_leftover_jobs(jobs)
 
 
-def events(job):
-    path = job.dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def run(started, tmp_path, args, env, hosts=None):
-    job = Job(tmp_path, ["--event-log", str(tmp_path / "events.jsonl")] + args,
-              hosts=hosts, env=env)
-    started.append(job)
-    return job
-
-
 def test_a_host_whose_gloo_cannot_connect_is_blamed_with_its_error_and_the_rest_finish(
         started, tmp_path):
-    job = run(started, tmp_path, ["-np", "2", "--min-np", "1",
-                                  "-H", "127.0.0.1:1,127.0.0.2:1"],
-              {"JOB_BAD_IFACE_HOST": "127.0.0.2"})
+    job = logged_job(started, tmp_path, ["-np", "2", "--min-np", "1",
+                                         "-H", "127.0.0.1:1,127.0.0.2:1"],
+                     {"JOB_BAD_IFACE_HOST": "127.0.0.2"})
     code = job.run()
     out = job.output()
     job.assert_ok(code, final_size=1)
@@ -63,7 +43,7 @@ def test_a_host_whose_gloo_cannot_connect_is_blamed_with_its_error_and_the_rest_
 
 
 def test_a_user_bug_inside_a_collective_stops_the_job_with_its_error(started, tmp_path):
-    job = run(started, tmp_path, ["-np", "1", "-H", "127.0.0.1:1"], {"JOB_BAD_ROOT": "2"})
+    job = logged_job(started, tmp_path, ["-np", "1", "-H", "127.0.0.1:1"], {"JOB_BAD_ROOT": "2"})
     code = job.run()
     out = job.output()
     assert code == 1, out[-3000:]
@@ -77,9 +57,9 @@ def test_a_user_bug_inside_a_collective_stops_the_job_with_its_error(started, tm
 def test_an_exception_on_whichever_worker_runs_a_rank_stops_the_job(started, tmp_path):
     # Heartbeats may not yet report commit 2 at the first failure: a third host gives
     # the bounded extra attempt that costs (repeats.py).
-    job = run(started, tmp_path, ["-np", "3", "--min-np", "1", "--blacklist-cooldown-range",
-                                  "1", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"],
-              {"JOB_ALWAYS_RAISE": "3:0"})
+    job = logged_job(started, tmp_path, ["-np", "3", "--min-np", "1", "--blacklist-cooldown-range",
+                                         "1", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"],
+                     {"JOB_ALWAYS_RAISE": "3:0"})
     code = job.run()
     out = job.output()
     assert code == 1, out[-3000:]
@@ -92,9 +72,9 @@ def test_an_exception_on_whichever_worker_runs_a_rank_stops_the_job(started, tmp
 
 def test_a_rank0_phase_longer_than_the_stall_timeout_stops_the_job_naming_the_flag(
         started, tmp_path):
-    job = run(started, tmp_path, ["-np", "3", "--min-np", "2", "--stall-timeout", "4",
-                                  "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"],
-              {"JOB_RANK0_PHASE": "3:600"})
+    job = logged_job(started, tmp_path, ["-np", "3", "--min-np", "2", "--stall-timeout", "4",
+                                         "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"],
+                     {"JOB_RANK0_PHASE": "3:600"})
     code = job.run()
     out = job.output()
     assert code == 1, out[-3000:]
@@ -104,39 +84,6 @@ def test_a_rank0_phase_longer_than_the_stall_timeout_stops_the_job_naming_the_fl
         out[-3000:]
     assert "raise --stall-timeout" in last, last
     assert out.count("blacklisting host") == 2, out[-3000:]
-
-
-def lose_every_holder(started, tmp_path, args=(), env=None, end=signal.SIGKILL):
-    """One worker trains and holds at step 12; it is SIGSTOPped before it can sync anyone,
-    a host is added, and once round 2 (old worker and newcomer) is published, the old
-    worker gets ``end``: only the newcomer, which holds nothing, is left. Returns the job,
-    the old worker's pid and its last heartbeat before the SIGSTOP (what the driver knew)."""
-    job = run(started, tmp_path, ["-np", "1", "--min-np", "1"] + list(args),
-              dict({"JOB_HOLD": "12", "JOB_SECRET_OUT": "1"}, **(env or {})),
-              hosts=["127.0.0.1:1"])
-    job.start()
-    job.wait_step(12)
-    (old, env), = job_workers(job.out).items()
-    # What the driver will know: the holder's heartbeat (read with the job's secret, as the
-    # driver does) reports the commit it holds, and the checkpoint it wrote, if any.
-    wid = env["ELASTIC_WORKER_ID"]
-    # The workers' key, as the worker wrote it down (JOB_SECRET_OUT): it is no longer
-    # in its environment.
-    key = (job.out / f"secret.{wid}").read_bytes()
-    store = ControlStore(control.connect("127.0.0.1", env[control.ENV_PORT], 30), key)
-    durable = 10 if "--checkpoint-dir" in args else -1
-    wait_until(lambda: (store.get(Keys.heartbeat(wid)) or {}).get("holds", -1) >= 12
-               and store.get(Keys.heartbeat(wid)).get("durable", -1) >= durable,
-               "a heartbeat that reports the state held (and the checkpoint)", 120)
-    beat = store.get(Keys.heartbeat(wid))
-    os.kill(old, signal.SIGSTOP)
-    job.set_hosts(["127.0.0.1:1", "127.0.0.2:1"])
-    job.wait_for(lambda: any(e["event"] == "round_started" and e["round"] == 2
-                             for e in events(job)), "round 2 published")
-    os.kill(old, end)
-    if end != signal.SIGKILL:
-        os.kill(old, signal.SIGCONT)          # a spot reclaim: it leaves at its next commit
-    return job, old, beat
 
 
 @pytest.mark.parametrize("end", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
@@ -167,9 +114,9 @@ def test_losing_every_holder_resumes_from_the_newest_checkpoint(started, tmp_pat
 
 
 def test_a_straggler_is_named_once_and_not_evicted(started, tmp_path):
-    job = run(started, tmp_path, ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1",
-                                  "--straggler-window", "4"],
-              {"JOB_SLOW_HOST": "127.0.0.2:0.4", "JOB_EPOCHS": "6"})
+    job = logged_job(started, tmp_path, ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1",
+                                         "--straggler-window", "4"],
+                     {"JOB_SLOW_HOST": "127.0.0.2:0.4", "JOB_EPOCHS": "6"})
     code = job.run()
     out = job.output()
     job.assert_ok(code, epochs=6, final_size=2)

@@ -1,13 +1,13 @@
 """Repeating faults, holders of the state and stragglers, decided without processes.
 
 The policy's steps (repeats.py, verdicts.py, holders.py, stragglers.py) driven through
-``decide`` with the ``World`` of test_decide.py; the multi-process versions are in
+``decide`` with the ``World`` of tests/support/decide_world.py; the multi-process versions are in
 test_repeat_faults.py.
 """
 
 import dataclasses
 
-from test_decide import World, kinds
+from support.decide_world import World, kinds
 
 from elastic.runner.decisions import Fail, HostFailed, Limits, Notice, Publish
 from elastic.runner.holders import holder_grace

@@ -17,7 +17,8 @@ import pytest
 from support import procs
 from support.harness import REPO, free_port, publish_round
 from support.jobs import WORKLOAD, Job, assert_exactly_once, assert_memberships
-from test_faults import pid_of, wait_until
+from support.procs import pid_of
+from support.waits import wait_until
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys

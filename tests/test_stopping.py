@@ -13,8 +13,8 @@ import socket
 
 import pytest
 from support.jobs import Job, assert_exactly_once, sizes_in_order
-from support.procs import job_workers
-from test_faults import assert_no_worker_left, pid_of, wait_until
+from support.procs import assert_no_worker_left, job_workers, pid_of
+from support.waits import wait_until
 
 pytestmark = pytest.mark.slow
 

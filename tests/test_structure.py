@@ -240,6 +240,15 @@ def test_helpers_are_imported_as_support_modules():
     assert not bad, bad
 
 
+def test_nothing_imports_a_test_module():
+    """What two test files share is a helper in tests/support/, not one test file imported
+    by another (which runs its module-level set-up again and hides where the helper lives)."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in OUTSIDE
+           for name, line in imports(path)
+           if any(part.startswith("test_") for part in name.split(".")[:2])]
+    assert not bad, bad
+
+
 def test_the_ssh_bootstrap_uses_the_standard_library_only():
     """remote.py runs under ``python -I`` on hosts that may lack torch; its copy of the
     contract's names is checked against protocol.py in tests/test_remote.py."""

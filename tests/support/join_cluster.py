@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from support.harness import free_port
 from support.jobs import REPO, WORKLOAD, Job
@@ -94,10 +93,3 @@ class JoinJob(Job):
             self.proc.wait()
 
 
-def wait_until(predicate, what, timeout=120, output=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}\n{output()[-4000:]}")

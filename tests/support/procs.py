@@ -1,5 +1,11 @@
 """Look at processes the way an operator would: through /proc."""
 
+import os
+import signal
+import time
+
+from support.waits import wait_until
+
 
 def environ(pid):
     with open(f"/proc/{pid}/environ", "rb") as f:
@@ -62,3 +68,26 @@ def resource_growth(before, after):
     """{"fds": +n, "threads": +n, "rss": ratio} from two resources() readings."""
     return {"fds": after["fds"] - before["fds"], "threads": after["threads"] - before["threads"],
             "rss": after["rss"] / before["rss"] if before["rss"] else float("inf")}
+
+
+def pid_of(out, worker_id, timeout=60):
+    def find():
+        return next((pid for pid, env in job_workers(out).items()
+                     if env["ELASTIC_WORKER_ID"] == worker_id), None)
+    return wait_until(find, f"the process of worker {worker_id}", timeout)
+
+
+def assert_no_worker_left(job, within=10):
+    deadline = time.monotonic() + within
+    left = job_workers(job.out)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = job_workers(job.out)
+    for pid in left:                      # do not leak them into the next test
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, (f"workers still running {within} s after the driver went away: "
+                      f"{ {pid: env['ELASTIC_WORKER_ID'] for pid, env in left.items()} }\n"
+                      + job.output()[-3000:])

@@ -360,7 +360,7 @@ def holder_losses(workdir, times):
     without, it stops with exit 1 and one line naming the last commit, at or above the one
     the holder reported, and the newcomer never trains from step 0. Returns
     {"resumed": n, "stopped": n}."""
-    from test_repeat_faults import lose_every_holder
+    from support.holder_loss import lose_every_holder
     done = {"resumed": 0, "stopped": 0}
     for n in range(times):
         end, durable = HOLDER_LOSSES[n % len(HOLDER_LOSSES)]
@@ -456,7 +456,8 @@ def driver_restarts(workdir, restarts, seed):
     number of steps trained in each outage. The job must end exit 0 with every rank
     bitwise equal, every sample trained once, no step gone back and no worker
     started again: the same processes throughout. Returns {moment: count}."""
-    from support.join_cluster import JoinJob, wait_until
+    from support.join_cluster import JoinJob
+    from support.waits import wait_until
     rng = random.Random(seed)
     base = Path(workdir) / "driver-restarts"
     base.mkdir(parents=True, exist_ok=True)
