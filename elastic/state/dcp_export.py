@@ -24,6 +24,8 @@ import io
 import os
 import sys
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +37,7 @@ class ExportError(ElasticError):
     """The checkpoint cannot be exported (no whole commit, unreadable files)."""
 
 
-def full_state(folder, n):
+def full_state(folder: str, n: int) -> dict[str, Any]:
     """{"model": {name: tensor}, "optim": {"state": ..., "param_groups": ...}} of the
     commit in ``folder`` (``n`` shard files), the shards concatenated back."""
     files = [torch.load(os.path.join(folder, f"shard{i}.pt"), weights_only=False)
@@ -64,7 +66,7 @@ def full_state(folder, n):
     return {"model": model, "optim": {"state": optim, "param_groups": parts["groups"]}}
 
 
-def export(source, out):
+def export(source: str, out: str) -> tuple[int, int]:
     """Write the newest whole commit under ``source`` (or the commit folder ``source``)
     to ``out`` as a DCP checkpoint. Returns (version, n)."""
     import torch.distributed.checkpoint as dcp
@@ -86,7 +88,7 @@ def export(source, out):
     return version, n
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m elastic.state.dcp_export",
         description="Write a ShardedState checkpoint as a torch.distributed.checkpoint one.")

@@ -11,17 +11,23 @@ from DTensors on the *new* mesh, never by a dummy step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic.exceptions import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.state.shard_plan import Meta
 
 
 class UnsupportedSharding(ElasticError):
     """An FSDP2 layout ShardedState cannot commit (see docs/fsdp.md, "Limits")."""
 
 
-def _sharded(t, where):
+def _sharded(t: torch.Tensor, where: str) -> TypeGuard[DTensor]:
     if not isinstance(t, DTensor):
         return False
     if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
@@ -33,7 +39,7 @@ def _sharded(t, where):
     return True
 
 
-def check_model(model):
+def check_model(model: torch.nn.Module) -> None:
     """One clear error for FSDP2 options that ShardedState does not support yet."""
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
@@ -53,11 +59,13 @@ def check_model(model):
                                       "is not supported by ShardedState yet")
 
 
-def split_live(model, optimizer):
+def split_live(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+               ) -> tuple[Meta, dict[str, torch.Tensor], dict[str, Any]]:
     """(meta, sharded, rest): meta [(key, full shape, dtype name)] in a fixed order,
     sharded {key: local shard tensor}, rest (a picklable tree of the replicated part)."""
-    meta, sharded = [], {}
-    rest = {"model": {}, "optim": {}, "groups": []}
+    meta: Meta = []
+    sharded: dict[str, torch.Tensor] = {}
+    rest: dict[str, Any] = {"model": {}, "optim": {}, "groups": []}
     names = {}
     for name, p in model.named_parameters():
         names[id(p)] = name
@@ -87,14 +95,15 @@ def split_live(model, optimizer):
     return meta, sharded, rest
 
 
-def local_params(model):
+def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{key: the local shard tensor} of a model's sharded parameters: where a reshard
     may land their rows in place (load_live then copies nothing for them)."""
     return {f"model/{name}": p.to_local().detach() for name, p in model.named_parameters()
             if isinstance(p, DTensor)}
 
 
-def load_live(model, optimizer, rest, shards):
+def load_live(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rest: dict[str, Any],
+              shards: Mapping[str, torch.Tensor]) -> None:
     """Load ``shards`` {key: this rank's rows} and ``rest`` into a freshly built
     FSDP2 model and optimizer. Optimizer state tensors are kept as given."""
     params = dict(model.named_parameters())
@@ -119,14 +128,15 @@ def load_live(model, optimizer, rest, shards):
     index = {names[id(p)]: i for i, p in enumerate(order)}
     state = {}
     for name, i in index.items():
-        p = params[name]
+        # Keys under its prefix exist only for a DTensor parameter (split_live).
+        owner = cast(DTensor, params[name])
         entry = dict(rest["optim"].get(name, {}))
         prefix = f"optim/{name}/"
         for key, local in shards.items():
             if key.startswith(prefix):
                 entry[key[len(prefix):]] = DTensor.from_local(
-                    local, p.device_mesh, p.placements, run_check=False,
-                    shape=p.shape, stride=p.stride())
+                    local, owner.device_mesh, owner.placements, run_check=False,
+                    shape=owner.shape, stride=owner.stride())
         if entry:
             state[i] = entry
     groups = [dict(g, params=[index[n] for n in g["params"]]) for g in rest["groups"]]

@@ -17,6 +17,11 @@ Horovod's registry is also understood: ``set_handler_registry`` takes
 calls those at commit, restore and sync, as Horovod does.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeGuard, Union
+
 import torch
 
 
@@ -31,29 +36,29 @@ class Handler:
 
     shares = False
 
-    def capture(self, obj):
+    def capture(self, obj: Any) -> Any:
         raise NotImplementedError
 
-    def apply(self, obj, tree):
+    def apply(self, obj: Any, tree: Any) -> None:
         raise NotImplementedError
 
-    def reset(self, obj):
+    def reset(self, obj: Any) -> None:
         """After a membership change (samplers re-split the rest of the epoch)."""
 
-    def after_sync(self, obj):
+    def after_sync(self, obj: Any) -> None:
         """After every sync, on every rank."""
 
 
 class StateDictHandler(Handler):
     """Anything with state_dict()/load_state_dict()."""
 
-    def capture(self, obj):
+    def capture(self, obj: Any) -> Any:
         return obj.state_dict()
 
-    def apply(self, obj, tree):
+    def apply(self, obj: Any, tree: Any) -> None:
         obj.load_state_dict(tree)
 
-    def reset(self, obj):
+    def reset(self, obj: Any) -> None:
         if callable(getattr(obj, "reset", None)):
             obj.reset()
 
@@ -61,51 +66,54 @@ class StateDictHandler(Handler):
 class ModuleHandler(StateDictHandler):
     shares = True   # load_state_dict copies into the live parameters
 
-    def reset(self, obj):
+    def reset(self, obj: Any) -> None:
         pass
 
 
 class OptimizerHandler(StateDictHandler):
     """load_state_dict keeps the tensors it is given, so it gets copies."""
 
-    def reset(self, obj):
+    def reset(self, obj: Any) -> None:
         pass
 
 
 class SamplerHandler(StateDictHandler):
     """After a sync every rank re-splits what is left, as Horovod's sampler does."""
 
-    def after_sync(self, obj):
+    def after_sync(self, obj: Any) -> None:
         obj.reset()
 
 
 class HorovodHandler:
     """Horovod's StateHandler shape, for ``set_handler_registry`` users: one per object."""
 
-    def __init__(self, value):
+    def __init__(self, value: Any) -> None:
         self.value = value
 
-    def save(self):
+    def save(self) -> None:
         raise NotImplementedError
 
-    def restore(self):
+    def restore(self) -> None:
         raise NotImplementedError
 
-    def sync(self):
+    def sync(self) -> None:
         raise NotImplementedError
 
-    def set_value(self, value):
+    def set_value(self, value: Any) -> None:
         self.value = value
         self.save()
 
 
-_registered: list = []   # (type, Handler instance or Horovod-style class), newest first
+# A Handler instance, or a Horovod-style handler class (instantiated once per object).
+AnyHandler = Union[Handler, type]
+
+_registered: list[tuple[type, AnyHandler]] = []   # newest first
 
 
-_BUILTIN: list = []
+_BUILTIN: list[tuple[type, Handler]] = []
 
 
-def _builtin():
+def _builtin() -> list[tuple[type, Handler]]:
     if not _BUILTIN:
         from elastic.training.sampler import ElasticSampler
         _BUILTIN.extend([(torch.nn.Module, ModuleHandler()),
@@ -114,7 +122,7 @@ def _builtin():
     return _BUILTIN
 
 
-def register_handler(cls, handler):
+def register_handler(cls: type, handler: AnyHandler) -> None:
     """Use ``handler`` (a Handler instance) for TorchState attributes that are ``cls``."""
     if not isinstance(cls, type):
         raise TypeError(f"register_handler needs a type, got {cls!r}")
@@ -124,12 +132,12 @@ def register_handler(cls, handler):
     _registered.insert(0, (cls, handler))
 
 
-def get_handler_registry():
+def get_handler_registry() -> list[tuple[type, AnyHandler]]:
     """Horovod's name: the registered (type, handler) pairs, newest first."""
     return list(_registered)
 
 
-def set_handler_registry(registry):
+def set_handler_registry(registry: Iterable[tuple[type, AnyHandler]]) -> None:
     """Horovod's name: replace the registered pairs (the built-in handlers stay)."""
     pairs = list(registry)
     for cls, handler in pairs:
@@ -139,12 +147,12 @@ def set_handler_registry(registry):
     _registered[:] = pairs
 
 
-def _is_horovod_style(handler):
+def _is_horovod_style(handler: object) -> TypeGuard[type]:
     return isinstance(handler, type) and all(
         callable(getattr(handler, m, None)) for m in ("save", "restore", "sync"))
 
 
-def handler_for(obj):
+def handler_for(obj: Any) -> AnyHandler | None:
     """The Handler for ``obj``, a Horovod-style handler class, or None (kept by value)."""
     for cls, handler in _registered:
         if isinstance(obj, cls):
@@ -157,7 +165,7 @@ def handler_for(obj):
     return None
 
 
-def is_horovod_style(handler):
+def is_horovod_style(handler: object) -> TypeGuard[type]:
     return _is_horovod_style(handler)
 
 

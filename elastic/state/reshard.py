@@ -9,10 +9,17 @@ place in the plan's order between them, so both sides match them without a heade
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
 import torch
 
 from elastic.state import shard_plan
 from elastic.state.snapshot import host_empty
+
+if TYPE_CHECKING:
+    from elastic.state.shard_plan import Meta, Piece
+    from elastic.state.transfer import PointToPoint
 
 COPY_TAG = 1 << 16      # redundancy copies; reshard messages use small tags (piece index)
 
@@ -21,13 +28,14 @@ def _dtype(name):
     return getattr(torch, name.replace("torch.", ""))
 
 
-def empty_shard(meta, n, i):
+def empty_shard(meta: Meta, n: int, i: int) -> dict[str, torch.Tensor]:
     """New flat buffers {dtype: flat} for shard ``i`` of ``n`` of ``meta``."""
     _layout, sizes = shard_plan.shard_layout(meta, n, i)
     return {d: host_empty(numel, _dtype(d)) for d, numel in sizes.items()}
 
 
-def shard_views(meta, n, i, flats):
+def shard_views(meta: Meta, n: int, i: int,
+                flats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{key: view of shard ``i``'s rows of ``key`` inside ``flats``}."""
     layout, _sizes = shard_plan.shard_layout(meta, n, i)
     shapes = {key: shape for key, shape, _d in meta}
@@ -39,7 +47,8 @@ def shard_views(meta, n, i, flats):
     return out
 
 
-def exchange_copies(group, me, n, degree, meta, own):
+def exchange_copies(group: PointToPoint, me: int, n: int, degree: int, meta: Meta,
+                    own: dict[str, torch.Tensor]) -> tuple[dict[int, dict[str, torch.Tensor]], int]:
     """Send ``own`` (this rank's shard flats) to its copy holders, and receive the
     shards it keeps a copy of. Returns {shard index: flats}; bytes sent."""
     dtypes = sorted(own)
@@ -61,7 +70,10 @@ def exchange_copies(group, me, n, degree, meta, own):
     return kept, sent
 
 
-def reshard(group, me, pieces, meta, old_n, new_n, held, dest=None):
+def reshard(group: PointToPoint | None, me: int, pieces: Iterable[Piece], meta: Meta, old_n: int,
+            new_n: int, held: Mapping[int, Mapping[str, torch.Tensor]],
+            dest: Mapping[str, torch.Tensor] | None = None,
+            ) -> tuple[dict[str, torch.Tensor], int, int]:
     """This rank's new shard, as {key: tensor}, from ``pieces`` (shard_plan.plan).
 
     ``held``: {old shard index: {key: view}} this rank holds (own and copies). Rows
@@ -88,7 +100,8 @@ def reshard(group, me, pieces, meta, old_n, new_n, held, dest=None):
         start, _stop = shard_plan.rows(shapes[p.key][0][0], old_n, p.shard)
         return held[p.shard][p.key][p.start - start: p.stop - start]
 
-    works, sent, received, count = [], 0, 0, {}
+    works, sent, received = [], 0, 0
+    count: dict[tuple[int, int], int] = {}
     for p in pieces:
         if p.src == me and p.dst == me:
             into(p).copy_(source(p))

@@ -13,10 +13,14 @@ import os
 import re
 import shutil
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from elastic.state import shard_plan
+
+if TYPE_CHECKING:
+    from elastic.state.shard_plan import Meta
 
 _DIR = re.compile(r"^v(\d+)-n(\d+)$")
 KEEP = 2        # whole commits kept on disk
@@ -26,13 +30,14 @@ class ShardWriter:
     """Writes one rank's shard of each commit in a background thread (one at a time:
     a commit while the previous write runs waits for it)."""
 
-    def __init__(self, root):
+    def __init__(self, root: str) -> None:
         self.root = root
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self.written = 0
         self.durable = -1       # the newest commit this rank saw whole on disk
 
-    def write(self, version, n, index, meta, flats, rest):
+    def write(self, version: int, n: int, index: int, meta: Meta, flats: dict[str, torch.Tensor],
+              rest: bytes) -> None:
         """Start writing (the flats are never written to again: each commit's are new)."""
         self.wait()
         self._thread = threading.Thread(
@@ -40,7 +45,7 @@ class ShardWriter:
             name="elastic-shard-writer")        # not a daemon: the last write finishes
         self._thread.start()
 
-    def wait(self):
+    def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -62,7 +67,7 @@ class ShardWriter:
             prune(self.root)
 
 
-def whole(root):
+def whole(root: str | None) -> list[tuple[int, int, str]]:
     """[(version, n, folder)] of the commits whose every shard file exists, newest first."""
     if not root or not os.path.isdir(root):
         return []
@@ -78,7 +83,7 @@ def whole(root):
     return sorted(out, reverse=True)
 
 
-def prune(root):
+def prune(root: str) -> None:
     """Remove every commit folder older than the newest KEEP whole ones."""
     kept = whole(root)[:KEEP]
     if len(kept) < KEEP:
@@ -90,7 +95,8 @@ def prune(root):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def read_for(folder, n, new_n, me):
+def read_for(folder: str, n: int, new_n: int,
+             me: int) -> tuple[Meta, bytes, dict[int, dict[str, torch.Tensor]]]:
     """(meta, rest, {old shard index: flats}) for rank ``me`` of ``new_n``: only the
     shard files that hold rows of its new shard (and shard 0's, for meta and rest)."""
     first = torch.load(os.path.join(folder, "shard0.pt"), weights_only=False)

@@ -13,15 +13,21 @@ Pure functions, the same on every rank given the same allgathered holdings.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.exceptions import ElasticError
+
+# What a sharded commit holds, per tensor in a fixed order: (key, full shape, dtype name).
+Meta = list[tuple[str, tuple[int, ...], str]]
+# Per tensor key: (dtype name, offset in that dtype's flat, first row, row past the last).
+Layout = dict[str, tuple[str, int, int, int]]
 
 
 class ShardsLost(ElasticError):
     """No survivor holds some shard of the newest commit (more losses than the redundancy)."""
 
-    def __init__(self, line, version=-1, missing=()):
+    def __init__(self, line: str, version: int = -1, missing: Iterable[int] = ()) -> None:
         super().__init__(line)
         self.version = version          # the commit whose shards are lost
         self.missing = list(missing)    # their indices
@@ -40,13 +46,13 @@ class Piece:
     stop: int
 
 
-def rows(total, n, i):
+def rows(total: int, n: int, i: int) -> tuple[int, int]:
     """The rows ``[start, stop)`` shard ``i`` of ``n`` holds of a tensor of ``total`` rows."""
     c = -(-total // n) if total else 0
     return min(total, i * c), min(total, (i + 1) * c)
 
 
-def row_numel(shape):
+def row_numel(shape: Sequence[int]) -> int:
     """Elements per row (dim 0) of a tensor of ``shape``."""
     n = 1
     for s in shape[1:]:
@@ -54,10 +60,11 @@ def row_numel(shape):
     return n
 
 
-def shard_layout(meta, n, i):
+def shard_layout(meta: Meta, n: int, i: int) -> tuple[Layout, dict[str, int]]:
     """Per key of ``meta`` [(key, shape, dtype name)]: (dtype, offset, start, stop) of
     shard ``i`` of ``n`` in its dtype's flat buffer; and the flats' sizes {dtype: numel}."""
-    layout, sizes = {}, {}
+    layout: Layout = {}
+    sizes: dict[str, int] = {}
     for key, shape, dtype in meta:
         start, stop = rows(shape[0], n, i)
         offset = sizes.get(dtype, 0)
@@ -66,17 +73,18 @@ def shard_layout(meta, n, i):
     return layout, sizes
 
 
-def copies_kept(rank, n, degree):
+def copies_kept(rank: int, n: int, degree: int) -> list[int]:
     """The other shards ``rank`` keeps a copy of: its ``degree`` predecessors (ring)."""
     return [(rank - d) % n for d in range(1, min(degree, n - 1) + 1)]
 
 
-def copy_targets(rank, n, degree):
+def copy_targets(rank: int, n: int, degree: int) -> list[int]:
     """The ranks that keep a copy of ``rank``'s shard: its ``degree`` successors."""
     return [(rank + d) % n for d in range(1, min(degree, n - 1) + 1)]
 
 
-def choose_version(holdings):
+def choose_version(holdings: Iterable[Iterable[tuple[int, int, Iterable[int]]]],
+                   ) -> tuple[int, int] | None:
     """The commit to resume from, given per new rank [(version, n, shards held)]:
     (version, n) of the newest commit whose shards are all held by someone.
 
@@ -86,7 +94,7 @@ def choose_version(holdings):
     whole, its lost shards exist nowhere: raise ShardsLost rather than train on
     without them. None when nobody holds anything (a fresh job).
     """
-    covered = {}
+    covered: dict[tuple[int, int], set[int]] = {}
     for held in holdings:
         for version, n, shards in held:
             covered.setdefault((version, n), set()).update(shards)
@@ -94,14 +102,14 @@ def choose_version(holdings):
         return None
     complete = [(v, n) for (v, n), s in covered.items() if s >= set(range(n))]
     if not complete:
-        (version, n), held = max(covered.items())
-        lost = sorted(set(range(n)) - held)
+        (version, n), have = max(covered.items())
+        lost = sorted(set(range(n)) - have)
         raise ShardsLost(f"commit {version}: no surviving worker holds shard(s) {lost} of {n}; "
                          "more workers were lost than the redundancy covers", version, lost)
     return max(complete)
 
 
-def plan(meta, old_n, holders, new_n):
+def plan(meta: Meta, old_n: int, holders: Mapping[int, Sequence[int]], new_n: int) -> list[Piece]:
     """The pieces that make up every new rank's shard of ``meta``.
 
     ``holders``: {old shard index: [new ranks holding it]}. A piece a rank holds
@@ -112,7 +120,7 @@ def plan(meta, old_n, holders, new_n):
     missing = [i for i in range(old_n) if not holders.get(i)]
     if missing:
         raise ShardsLost(f"no surviving worker holds shard(s) {missing}")
-    load = {}
+    load: dict[int, int] = {}
     pieces = []
     for dst in range(new_n):
         for key, shape, _dtype in meta:

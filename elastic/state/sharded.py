@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 
@@ -33,7 +34,13 @@ from elastic.state.states import State
 from elastic.worker import collectives, fatal, runtime, torch_world
 from elastic.worker.waiting import run_blocking
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from elastic.state.shard_plan import Meta
+
 log = logging.getLogger(__name__)
+Built = tuple[torch.nn.Module, torch.optim.Optimizer | None]    # what ``build(mesh)`` returns
 
 ENV_REDUNDANCY = "ELASTIC_SHARD_REDUNDANCY"
 
@@ -44,12 +51,12 @@ class Generation:
 
     version: int
     n: int
-    meta: list
+    meta: Meta
     rest: bytes                      # the replicated part, pickled
-    shards: dict = field(default_factory=dict)    # shard index -> {dtype: flat}
+    shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # index -> {dtype: flat}
     whole: bool = False              # own shard and every copy landed
 
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(f.numel() * f.element_size() for s in self.shards.values()
                    for f in s.values())
 
@@ -81,7 +88,9 @@ class ShardedState(State):
     commit there, at any world size.
     """
 
-    def __init__(self, build, redundancy=None, checkpoint_dir=None, **kwargs):
+    def __init__(self, build: Callable[[DeviceMesh | None], Built],
+                 redundancy: int | None = None, checkpoint_dir: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__()
         if checkpoint_dir is None and os.environ.get(protocol.ENV_CHECKPOINT_DIR):
             checkpoint_dir = os.path.join(os.environ[protocol.ENV_CHECKPOINT_DIR], "sharded")
@@ -95,11 +104,11 @@ class ShardedState(State):
         self._object_names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self.model = None
-        self.optimizer = None
-        self._built_for = None       # the round group the model was built on
-        self._gens = []              # at most two Generations, oldest first
-        self.stats = {"reshard_received": 0, "reshard_sent": 0, "copies_sent": 0,
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._built_for: object = None    # the round group the model was built on
+        self._gens: list[Generation] = []    # at most two, oldest first
+        self.stats: dict[str, Any] = {"reshard_received": 0, "reshard_sent": 0, "copies_sent": 0,
                       "reshard_s": 0.0, "resumed_from": None, "builds": 0}
 
     # -- what a commit holds --------------------------------------------------------
@@ -121,16 +130,16 @@ class ShardedState(State):
             else:
                 setattr(self, name, value)
 
-    def held_bytes(self):
+    def held_bytes(self) -> int:
         """Host bytes of the commits this rank holds (own shard and copies)."""
         return sum(g.nbytes() for g in self._gens)
 
     @property
-    def generations(self):
+    def generations(self) -> list[Generation]:
         return list(self._gens)
 
     # -- commit -------------------------------------------------------------------------
-    def commit(self):
+    def commit(self) -> None:
         started = time.perf_counter()
         gen = self._save(max(self._version, 0) + 1)
         w = runtime.worker()
@@ -148,7 +157,7 @@ class ShardedState(State):
             w.progress.timed("commit", time.perf_counter() - started)
             w.act_on_commit(check, self._version)
 
-    def save(self):
+    def save(self) -> None:
         """Commit the live state again as the current version (no collective check)."""
         self._promote(self._save(max(self._version, 0)))
 
@@ -180,10 +189,10 @@ class ShardedState(State):
         self._version = gen.version
 
     # -- restore / sync -------------------------------------------------------------------
-    def restore(self):
+    def restore(self) -> None:
         """Nothing to do here: the next sync builds the model again from the last commit."""
 
-    def on_reset(self):
+    def on_reset(self) -> None:
         for name in self._object_names:
             obj = getattr(self, name)
             h = handlers.handler_for(obj)
@@ -192,7 +201,7 @@ class ShardedState(State):
         for callback in self._reset_callbacks:
             callback()
 
-    def sync(self):
+    def sync(self) -> None:
         started = time.perf_counter()
         self.sync_stats["syncs"] += 1
         me, n = _rank_size()
@@ -234,7 +243,7 @@ class ShardedState(State):
             if runtime.worker() else gen.rest
         tree = _loads(rest)
         meta = tree["meta"]
-        holders = {}
+        holders: dict[int, list[int]] = {}
         for r, held in enumerate(holdings):
             for v, k, shards in held:
                 if (v, k) == chosen:
@@ -307,10 +316,10 @@ class ShardedState(State):
         self.stats["builds"] += 1
 
     # -- the State API that does not apply ------------------------------------------------
-    def capture(self):
+    def capture(self) -> NoReturn:
         raise ElasticError("ShardedState commits shards; there is no full capture()")
 
-    def apply(self, tree):
+    def apply(self, tree: dict) -> NoReturn:
         raise ElasticError("ShardedState loads shards; there is no full apply()")
 
 

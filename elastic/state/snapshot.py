@@ -8,12 +8,16 @@ into preallocated buffers"). Transfers use the same per-dtype
 flat form, so a sync sends a snapshot's flats as they are.
 """
 
+from __future__ import annotations
+
 import copy
 import ctypes
 import ctypes.util
 import hashlib
 import pickle
 import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,6 +30,9 @@ TensorRef = tensor_tree.TensorRef
 _Ref = TensorRef   # the name in checkpoints written before the rename
 split = tensor_tree.split
 join = tensor_tree.join
+
+Spec = tuple[str, int]                          # a flat buffer: (dtype name, numel)
+Placed = tuple[str, tuple[int, ...], int]       # a tensor: (dtype name, shape, offset in its flat)
 
 
 class Snapshot:
@@ -43,27 +50,29 @@ class Snapshot:
     own view (``intact``).
     """
 
-    def __init__(self):
-        self.skeleton = None
-        self.buffers = []
-        self._flats = []      # one per dtype
-        self._views = []      # per tensor: its view into the flats, as allocated
-        self._layout = []     # per tensor: (dtype name, shape, offset in its dtype's flat)
-        self._specs = []      # per flat: (dtype name, numel)
-        self._sources = None  # per tensor: the live tensor it was saved from (see ``unchanged``)
-        self._reserve = None  # flats allocated and touched ahead of a sync (see ``reserve``)
+    def __init__(self) -> None:
+        self.skeleton: Any = None
+        self.buffers: list[torch.Tensor] = []
+        self._flats: list[torch.Tensor] = []      # one per dtype
+        self._views: list[torch.Tensor] = []      # per tensor: its view into the flats, as allocated
+        self._layout: list[Placed] = []           # per tensor, in its dtype's flat
+        self._specs: list[Spec] = []              # per flat
+        # per tensor: the live tensor it was saved from, and its fingerprint (see ``unchanged``)
+        self._sources: list[tuple[torch.Tensor, tuple | None]] | None = None
+        # flats allocated and touched ahead of a sync, with their specs (see ``reserve``)
+        self._reserve: tuple[list[Spec], list[torch.Tensor]] | None = None
 
     @property
-    def empty(self):
+    def empty(self) -> bool:
         return self.skeleton is None
 
     @property
-    def intact(self):
+    def intact(self) -> bool:
         """Whether the flats hold the snapshot (no buffer was swapped out)."""
         return len(self.buffers) == len(self._views) and all(
             b is v for b, v in zip(self.buffers, self._views))
 
-    def swap_buffer(self, index, expected, replacement):
+    def swap_buffer(self, index: int, expected: torch.Tensor, replacement: torch.Tensor) -> bool:
         """Put ``replacement`` in place of buffer ``index`` if that still is ``expected``
         (a checkpoint writer reads it: the next save must not overwrite it); returns
         whether it did. The next save copies into ``replacement``."""
@@ -74,7 +83,7 @@ class Snapshot:
         self.buffers[index] = replacement
         return True
 
-    def save(self, tree):
+    def save(self, tree: Any) -> None:
         skeleton, tensors = split(tree)
         buffers = self.buffers
         if len(buffers) != len(tensors) or any(
@@ -92,7 +101,7 @@ class Snapshot:
         self.remember(tensors)
 
     # -- has the live state changed since? ------------------------------------------------------
-    def remember(self, tensors):
+    def remember(self, tensors: Sequence[torch.Tensor]) -> None:
         """Note the live tensors that now equal the snapshot (after a save or a restore).
 
         Each is kept with its address and its version counter, which every in-place
@@ -101,7 +110,7 @@ class Snapshot:
         """
         self._sources = [(t, _fingerprint(t)) for t in tensors]
 
-    def unchanged(self, tensors):
+    def unchanged(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` (a fresh capture of the live state, in the order saved) are
         the very tensors remembered, modified by no in-place operation since, and the
         flats still hold the snapshot: then the flats can be sent for them.
@@ -114,12 +123,12 @@ class Snapshot:
             return False
         return all(fp is not None and _fingerprint(t) == fp for t, (_old, fp) in zip(tensors, src))
 
-    def layout_id(self):
+    def layout_id(self) -> int:
         """A 62-bit id of the flats' layout: equal ids mean byte ranges line up across ranks."""
         digest = hashlib.blake2b(repr((self._layout, self._specs)).encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") >> 2
 
-    def materialize(self, shared=False):
+    def materialize(self, shared: bool = False) -> Any:
         """A tree of fresh tensors, so the live state never aliases the snapshot.
 
         ``shared=True`` hands out the snapshot's own buffers, for callers that
@@ -128,15 +137,15 @@ class Snapshot:
         buffers = self.buffers if shared else [host_clone(b) for b in self.buffers]
         return join(copy.deepcopy(self.skeleton), buffers)
 
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
-    def specs(self):
+    def specs(self) -> list[Spec]:
         """Per flat buffer: (dtype name, numel), as ``reserve`` takes them."""
         return [(d, int(n)) for d, n in self._specs]
 
     # -- memory touched ahead of a sync ----------------------------------------------------------
-    def reserve(self, specs, pin=False):
+    def reserve(self, specs: Iterable[Spec], pin: bool = False) -> None:
         """Allocate flats of ``specs`` [(dtype name, numel)] now and write every page.
 
         A newcomer calls this before it is admitted (off everyone's critical path):
@@ -144,25 +153,25 @@ class Snapshot:
         page while the bytes arrive (several times slower on a VM), and the first
         ``receive_buffers`` or ``save`` whose flats have these specs takes them.
         """
-        specs = [(str(d), int(n)) for d, n in specs]
-        if self._reserve is not None and self._reserve[0] == specs:
+        wanted = [(str(d), int(n)) for d, n in specs]
+        if self._reserve is not None and self._reserve[0] == wanted:
             return
-        self._reserve = (specs, touched_flats(specs, pin))
+        self._reserve = (wanted, touched_flats(wanted, pin))
 
     @property
-    def reserved(self):
+    def reserved(self) -> list[Spec] | None:
         """The specs of the flats ``reserve`` holds, or None."""
         return None if self._reserve is None else list(self._reserve[0])
 
     @property
-    def reserved_flats(self):
+    def reserved_flats(self) -> list[torch.Tensor]:
         """The flats ``reserve`` holds (empty when none)."""
         return [] if self._reserve is None else list(self._reserve[1])
 
-    def drop_reserve(self):
+    def drop_reserve(self) -> None:
         self._reserve = None
 
-    def _take_reserve(self, specs):
+    def _take_reserve(self, specs: Iterable[Spec]) -> list[torch.Tensor] | None:
         """The reserved flats if they have ``specs`` (then no longer reserved), else None."""
         if self._reserve is None or self._reserve[0] != [(str(d), int(n)) for d, n in specs]:
             return None
@@ -171,17 +180,17 @@ class Snapshot:
         return flats
 
     # -- transfers ----------------------------------------------------------------------------
-    def header(self, skeleton=None):
+    def header(self, skeleton: Any = None) -> bytes:
         """The bytes that describe ``flats()`` to a receiver (the format of ``pack``);
         ``skeleton``: the live one, when it differs (a reset callback changed an lr)."""
         return pickle.dumps({"skeleton": self.skeleton if skeleton is None else skeleton,
                              "layout": self._layout, "flats": self._specs})
 
-    def flats(self):
+    def flats(self) -> list[torch.Tensor] | None:
         """The flat buffers, or None while they do not hold the snapshot (see ``intact``)."""
         return list(self._flats) if not self.empty and self.intact else None
 
-    def receive_buffers(self, header):
+    def receive_buffers(self, header: bytes) -> list[torch.Tensor]:
         """Flat buffers to receive a sender's ``header``/``flats()`` into: this snapshot's
         own when the layout matches and they are intact (the caller must own them: no
         checkpoint writer reading them), else the reserved ones when they fit (memory
@@ -196,7 +205,7 @@ class Snapshot:
         pin = torch.cuda.is_available()   # received state goes on to a GPU: pin it too
         return [host_empty(n, _dtype(d), pin) for d, n in meta["flats"]]
 
-    def install(self, header, flats):
+    def install(self, header: bytes, flats: list[torch.Tensor]) -> None:
         """Make the received ``flats`` (from ``receive_buffers``) this snapshot."""
         meta = pickle.loads(header)
         self._sources = None            # the live state is loaded (and remembered) after this
@@ -205,13 +214,13 @@ class Snapshot:
             self._set_flats(meta["layout"], meta["flats"], flats)
         self.skeleton = meta["skeleton"]
 
-    def discard(self):
+    def discard(self) -> None:
         """Forget the snapshot and drop its buffers (e.g. after a failed receive into them)."""
-        self.__init__()
+        Snapshot.__init__(self)
 
     # -- internals -----------------------------------------------------------------------------
-    def _allocate(self, layout, pin):
-        totals = {}
+    def _allocate(self, layout: list[Placed], pin: bool) -> None:
+        totals: dict[str, int] = {}
         for d, shape, offset in layout:
             totals[d] = max(totals.get(d, 0), offset + _numel(shape))
         specs = list(totals.items())
@@ -220,7 +229,7 @@ class Snapshot:
             flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
         self._set_flats(layout, specs, flats)
 
-    def _set_flats(self, layout, specs, flats):
+    def _set_flats(self, layout: list[Placed], specs: list[Spec], flats: list[torch.Tensor]) -> None:
         by_name = {d: f for (d, _n), f in zip(specs, flats)}
         self._views = [by_name[d][offset: offset + _numel(shape)].view(shape)
                        for d, shape, offset in layout]
@@ -238,13 +247,13 @@ class Arena:
     per-dtype sizes rank 0 publishes, it turns those faults into plain copies.
     """
 
-    def __init__(self, specs):
-        specs = [(str(d), int(n)) for d, n in specs]
-        self._flats = dict(zip((d for d, _n in specs), touched_flats(specs)))
+    def __init__(self, specs: Iterable[Spec]) -> None:
+        wanted = [(str(d), int(n)) for d, n in specs]
+        self._flats = dict(zip((d for d, _n in wanted), touched_flats(wanted)))
         self._used = dict.fromkeys(self._flats, 0)
         self.taken = 0        # tensors copied into the arena (the rest got fresh memory)
 
-    def clone(self, t):
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` in the arena while it has room for it, else ``host_clone``."""
         d, n = str(t.dtype), t.numel()
         flat = self._flats.get(d)
@@ -256,7 +265,7 @@ class Arena:
         return out.copy_(t)
 
 
-def touched_flats(specs, pin=False):
+def touched_flats(specs: Iterable[Spec], pin: bool = False) -> list[torch.Tensor]:
     """One flat per (dtype name, numel) of ``specs``, every page written once."""
     flats = [host_empty(n, _dtype(d), pin) for d, n in specs]
     for f in flats:
@@ -264,9 +273,9 @@ def touched_flats(specs, pin=False):
     return flats
 
 
-def numel_by_dtype(tensors):
+def numel_by_dtype(tensors: Iterable[torch.Tensor]) -> list[Spec]:
     """[(dtype name, total numel)] of ``tensors``, in order of first appearance."""
-    totals = {}
+    totals: dict[str, int] = {}
     for t in tensors:
         totals[str(t.dtype)] = totals.get(str(t.dtype), 0) + t.numel()
     return list(totals.items())
@@ -277,7 +286,7 @@ _MADV_HUGEPAGE = 14
 _libc: list = []
 
 
-def _advise_huge_pages(t):
+def _advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """Ask Linux to back a large, not yet touched host tensor with transparent huge
     pages (where THP is in ``madvise`` mode): faulting fresh memory in 4 KiB pages
     runs several times slower than copying into touched memory, and a sync's
@@ -297,20 +306,20 @@ def _advise_huge_pages(t):
     return t
 
 
-def _fingerprint(t):
+def _fingerprint(t: torch.Tensor) -> tuple | None:
     try:
         return (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride(), t.device)
     except RuntimeError:        # inference tensors have no version counter
         return None
 
 
-def host_empty(numel, dtype, pin=False):
+def host_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """A new flat host buffer; large unpinned ones are advised to use huge pages."""
     t = torch.empty(numel, dtype=dtype, pin_memory=pin)
     return t if pin else _advise_huge_pages(t)
 
 
-def host_clone(t):
+def host_clone(t: torch.Tensor) -> torch.Tensor:
     """``t.clone()`` for a host tensor, into memory advised to use huge pages."""
     if t.device.type != "cpu" or not t.is_contiguous():
         return t.clone()
@@ -318,9 +327,10 @@ def host_clone(t):
     return out.copy_(t)
 
 
-def _layout_of(tensors):
+def _layout_of(tensors: Sequence[torch.Tensor]) -> list[Placed]:
     """Per tensor (dtype name, shape, offset in its dtype's flat); flats in order of first use."""
-    filled, layout = {}, []
+    filled: dict[str, int] = {}
+    layout: list[Placed] = []
     for t in tensors:
         d = str(t.dtype)
         offset = filled.get(d, 0)
@@ -329,11 +339,12 @@ def _layout_of(tensors):
     return layout
 
 
-def pack(tree):
+def pack(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
     """(header bytes, flat buffers): a tree ready to send as a few large messages."""
     skeleton, tensors = split(tree)
-    by_dtype, filled = {}, {}
-    layout = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    filled: dict[torch.dtype, int] = {}
+    layout: list[Placed] = []
     for t in tensors:
         offset = filled.get(t.dtype, 0)
         by_dtype.setdefault(t.dtype, []).append(t.reshape(-1).cpu())
@@ -348,13 +359,13 @@ def pack(tree):
     return header, flats
 
 
-def flat_specs(header):
+def flat_specs(header: bytes) -> list[tuple[torch.dtype, int]]:
     """The (dtype, numel) of each flat buffer that follows a header."""
     meta = pickle.loads(header)
     return [(_dtype(d), n) for d, n in meta["flats"]]
 
 
-def unpack(header, flats):
+def unpack(header: bytes, flats: Sequence[torch.Tensor]) -> Any:
     meta = pickle.loads(header)
     by_name = {d: f for (d, _n), f in zip(meta["flats"], flats)}
     tensors = [
@@ -364,12 +375,12 @@ def unpack(header, flats):
     return join(meta["skeleton"], tensors)
 
 
-def _numel(shape):
+def _numel(shape: Iterable[int]) -> int:
     n = 1
     for s in shape:
         n *= s
     return n
 
 
-def _dtype(name):
+def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))

@@ -13,7 +13,7 @@ import copy
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from elastic.worker.round_view import RoundView
 
 _UNCOMMITTED = -1
-_UNBOUND = object()      # no round given: the process's worker's, if any (round_view.current)
 
 
 class State:
@@ -43,15 +42,16 @@ class State:
 
     _checkpoint: Checkpointer | None = None   # an elastic.Checkpointer (see TorchState), or None
 
-    def __init__(self):
-        self._reset_callbacks = []
-        self._commit_listeners = []
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], Any]] = []
+        self._commit_listeners: list[Callable[[int, Snapshot], None]] = []
         self._snapshot = Snapshot()
         self._version = _UNCOMMITTED
-        self.sync_stats = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0,
+        self.sync_stats: dict[str, Any] = {"bytes_received": 0, "bytes_sent": 0, "root": None, "syncs": 0,
                            "received_into": None, "copied_into": None}
-        self._round_view = _UNBOUND
-        self._arena = None       # touched memory for the first restore's copies (Arena)
+        self._round_view: RoundView | None = None
+        self._bound = False      # no round given: the process's worker's, if any (round_view.current)
+        self._arena: Arena | None = None       # touched memory for the first restore's copies (Arena)
         self._reserve_for_sync()
 
     # -- subclass hooks -----------------------------------------------------------
@@ -78,7 +78,7 @@ class State:
     def use_round(self, view: RoundView | None) -> None:
         """Commit and sync in ``view``'s round (None: standalone, a world of one).
         The run loop passes its worker's; without it the process's worker's is used."""
-        self._round_view = view
+        self._round_view, self._bound = view, True
 
     def add_commit_listener(self, listener: Callable[[int, Snapshot], None]) -> None:
         """Call ``listener(version, snapshot)`` after each commit is saved, before its
@@ -86,8 +86,7 @@ class State:
         self._commit_listeners.append(listener)
 
     def _round(self) -> RoundView | None:
-        view = self._round_view
-        return round_view.current(connect=True) if view is _UNBOUND else view
+        return self._round_view if self._bound else round_view.current(connect=True)
 
     @property
     def commit_version(self) -> int:
@@ -100,7 +99,7 @@ class State:
         return self._snapshot
 
     @property
-    def checkpointer(self):
+    def checkpointer(self) -> Checkpointer | None:
         """The elastic.Checkpointer writing this state, or None."""
         return self._checkpoint
 
@@ -301,16 +300,16 @@ def _max_senders():
 class ObjectState(State):
     """Plain picklable attributes (counters, epoch, best loss...)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         self._object_names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
 
-    def capture(self):
+    def capture(self) -> dict:
         return {"objects": {name: getattr(self, name) for name in self._object_names}}
 
-    def apply(self, tree):
+    def apply(self, tree: dict) -> None:
         for name, value in tree["objects"].items():
             setattr(self, name, copy.deepcopy(value))
 
@@ -337,14 +336,15 @@ class TorchState(ObjectState):
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
-                 elastic_checkpoint=None, **kwargs) -> None:
+                 elastic_checkpoint: Checkpointer | str | os.PathLike | bool | None = None,
+                 **kwargs: Any) -> None:
         if isinstance(kwargs.get("checkpoint"), Checkpointer):   # the old spelling
             if elastic_checkpoint is not None:
                 raise TypeError("give the Checkpointer as elastic_checkpoint= only")
             warnings.warn("TorchState(checkpoint=Checkpointer(...)) is now "
                           "elastic_checkpoint=...", DeprecationWarning, stacklevel=2)
             elastic_checkpoint = kwargs.pop("checkpoint")
-        self._horovod = {}
+        self._horovod: dict[str, Any] = {}   # name -> its Horovod-style handler object
         super().__init__(**kwargs)
         self.model = model
         self.optimizer = optimizer
@@ -377,12 +377,12 @@ class TorchState(ObjectState):
                 yield name, obj, handler
 
     # -- commit / restore ---------------------------------------------------------------
-    def save(self):
+    def save(self) -> None:
         super().save()
         for handler in self._horovod.values():
             handler.save()
 
-    def restore(self):
+    def restore(self) -> None:
         super().restore()
         for handler in self._horovod.values():
             handler.restore()
@@ -403,8 +403,8 @@ class TorchState(ObjectState):
         handler = handlers.handler_for(getattr(self, name, None))
         return isinstance(handler, handlers.Handler) and handler.shares
 
-    def capture(self):
-        tree = {"objects": {}}
+    def capture(self) -> dict:
+        tree: dict[str, Any] = {"objects": {}}
         handled = {name: (obj, h) for name, obj, h in self._handled()}
         for key in self._ROOTS:
             if key in handled:
@@ -420,7 +420,7 @@ class TorchState(ObjectState):
                 tree["objects"][name] = ("value", getattr(self, name))
         return tree
 
-    def apply(self, tree):
+    def apply(self, tree: dict) -> None:
         for key in self._ROOTS:
             obj = getattr(self, key)
             handler = handlers.handler_for(obj) if obj is not None else None
@@ -440,11 +440,11 @@ class TorchState(ObjectState):
             else:
                 setattr(self, name, copy.deepcopy(value))
 
-    def reset(self):
+    def reset(self) -> None:
         for _name, obj, handler in self._handled():
             handler.reset(obj)
 
-    def sync(self):
+    def sync(self) -> None:
         super().sync()
         for handler in self._horovod.values():
             handler.sync()

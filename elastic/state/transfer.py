@@ -14,9 +14,16 @@ slices (``collectives.run_blocking``): point-to-point gloo work cannot be waited
 in slices itself.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 # A chain adds one chunk's time per hop, and k senders' shares differ by up to one chunk:
 # on a 300 Mbit/s link 2 MB is 56 ms (8 MB was 224 ms and left 3 senders 42/42/36 MB of
@@ -24,29 +31,38 @@ import torch
 CHUNK_BYTES = 2 << 20
 
 
+class PointToPoint(Protocol):
+    """What a transfer uses of a gloo group: a torch ProcessGroup, or the round's
+    TrackedGroup (worker/groups.py), which forwards to one."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> dist.Work: ...
+
+
 @dataclass(frozen=True)
 class Route:
     """Who sends and who receives one sync; the same on every rank."""
 
     root: int                 # sends the header (and chunks as senders[0])
-    senders: tuple            # ranks that send chunks, root first
-    receivers: tuple          # the chain, in order
+    senders: tuple[int, ...]     # ranks that send chunks, root first
+    receivers: tuple[int, ...]   # the chain, in order
 
-    def source(self, chunk):
+    def source(self, chunk: int) -> int:
         return self.senders[chunk % len(self.senders)]
 
-    def upstream(self, me, chunk):
+    def upstream(self, me: int, chunk: int) -> int:
         """Whom ``me`` (a receiver) receives ``chunk`` from."""
         i = self.receivers.index(me)
         return self.source(chunk) if i == 0 else self.receivers[i - 1]
 
-    def downstream(self, me):
+    def downstream(self, me: int) -> int | None:
         """Whom ``me`` forwards to, or None at the chain's end."""
         i = self.receivers.index(me)
         return self.receivers[i + 1] if i + 1 < len(self.receivers) else None
 
 
-def route(infos, max_senders):
+def route(infos: Sequence[tuple[int, int, int]], max_senders: int) -> Route | None:
     """The Route for allgathered ``(version, ready, layout)`` per rank, or None when all agree.
 
     ``ready``: the rank's live tensors are unchanged since its commit and its snapshot
@@ -69,7 +85,7 @@ def route(infos, max_senders):
     return Route(root, tuple(senders[:max(1, max_senders)]), receivers)
 
 
-def chunks(flats):
+def chunks(flats: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     """[(flat index, start byte, end byte)] covering every flat, in order."""
     out = []
     for i, flat in enumerate(flats):
@@ -88,7 +104,7 @@ def _tag(c):
     return 1 + c      # tag 0 carries the header
 
 
-def send_share(group, flats, rt, me):
+def send_share(group: PointToPoint, flats: Sequence[torch.Tensor], rt: Route, me: int) -> int:
     """A sender: send its chunks to the chain's head; returns the bytes sent."""
     head = rt.receivers[0]
     works, sent = [], 0
@@ -102,7 +118,8 @@ def send_share(group, flats, rt, me):
     return sent
 
 
-def receive_and_forward(group, flats, rt, me):
+def receive_and_forward(group: PointToPoint, flats: Sequence[torch.Tensor], rt: Route,
+                        me: int) -> tuple[int, int]:
     """A receiver: land every chunk in ``flats``, forwarding each once it has landed.
 
     Returns (bytes received, bytes forwarded).
@@ -124,7 +141,7 @@ def receive_and_forward(group, flats, rt, me):
     return got, fwd
 
 
-def relay_header(group, header, rt, me):
+def relay_header(group: PointToPoint, header: bytes | None, rt: Route, me: int) -> bytes:
     """The header travels the chain too: root -> receivers[0] -> receivers[1] ...
 
     Returns the header bytes (on the root, the ones given).
