@@ -18,7 +18,6 @@ PACKAGE = ROOT / "elastic"
 NOT_YET_HINTED = (
     "elastic/runner",
     "elastic/torch",
-    "elastic/training",
 )
 
 

@@ -33,6 +33,8 @@ the reference scale is B backward passes, so S = W k / B and r = 1 at W k = B.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +55,7 @@ class GainEstimator:
     Pure arithmetic on scalars: the same on every rank given the same reduced inputs.
     """
 
-    def __init__(self, base_size: int = 1):
+    def __init__(self, base_size: int = 1) -> None:
         if int(base_size) < 1:
             raise ValueError(f"base_size must be >= 1, got {base_size}")
         self.base_size = int(base_size)
@@ -101,11 +103,11 @@ class GainEstimator:
             return 1.0      # nothing measured yet (or a zero gradient): no opinion
         return reference / current
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, float]:
         return {"var_avg": self.var_avg, "sqr_avg": self.sqr_avg, "weight": self.weight,
                 "observations": self.observations}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.var_avg = float(state["var_avg"])
         self.sqr_avg = float(state["sqr_avg"])
         self.weight = float(state["weight"])
@@ -125,17 +127,22 @@ class GradientNorms:
     step of a round: its sum belongs to the old group. Both happen on every rank alike.
     """
 
-    def __init__(self, on_step, measuring=lambda: True):
+    def __init__(self, on_step: Callable[[float, float, int], object],
+                 measuring: Callable[[], bool] = lambda: True) -> None:
         self._on_step = on_step    # called with (local_sq_sum, reduced_sq, workers)
         self._measuring = measuring   # asked at each step's first bucket; same on every rank
         self._on = False
-        self._local = None
-        self._reduced = 0.0
-        self._launched = None      # (sum tensor, its wait, workers) of this step's scalar
-        self._pending = None       # (round, sum tensor, its wait, reduced_sq, workers)
+        self._local: torch.Tensor | None = None
+        self._reduced: float | torch.Tensor = 0.0
+        # (sum tensor, its wait, workers) of this step's scalar
+        self._launched: tuple[torch.Tensor, Callable[[], object], int] | None = None
+        # (round, sum tensor, its wait, reduced_sq, workers)
+        self._pending: tuple[int, torch.Tensor, Callable[[], object], float | torch.Tensor,
+                             int] | None = None
         self.hooked = False        # fed by DDP: the step itself says when a step ends
 
-    def local(self, flat: torch.Tensor, index: int, last: bool, group=None) -> None:
+    def local(self, flat: torch.Tensor, index: int, last: bool,
+              group: dist.ProcessGroup | None = None) -> None:
         """Bucket ``index`` is about to be reduced (``last``: the step's last); ``flat``
         holds this rank's values. ``group``: a torch.distributed group for the scalar
         (DDP's); by default elastic's collectives (DistributedOptimizer's)."""
@@ -162,7 +169,7 @@ class GradientNorms:
         if self._on:
             self._reduced = self._reduced + _squared_norm(flat)   # a tensor: no device sync
 
-    def reduced(self, flats: list, op: str) -> None:
+    def reduced(self, flats: list[torch.Tensor], op: str) -> None:
         """Every bucket is reduced; ``flats`` hold the results under ``op``."""
         for flat in flats:
             self.add_reduced(flat)
@@ -186,7 +193,8 @@ class GradientNorms:
             reduced_sq /= workers * workers
         self._pending = (round_id, total, wait, reduced_sq, workers)
 
-    def comm_hook(self, state, bucket):
+    def comm_hook(self, state: dist.ProcessGroup | None,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP comm hook: DDP's average (over ``state``, a process group, or the
         default group when None), measuring the norms on the way."""
         self.hooked = True
@@ -196,7 +204,7 @@ class GradientNorms:
         buffer.div_(dist.get_world_size(group))
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
-        def reduced(fut):
+        def reduced(fut: torch.futures.Future[Any]) -> torch.Tensor:
             value = fut.value()
             out = value[0] if isinstance(value, (list, tuple)) else value
             self.add_reduced(out)

@@ -1,6 +1,19 @@
 """Gradient compressors for DistributedOptimizer, named as in Horovod."""
 
+from __future__ import annotations
+
+from typing import Any, Protocol
+
 import torch
+
+
+class Compressor(Protocol):
+    """What DistributedOptimizer calls on a compressor (see NoneCompressor); ``ctx`` is
+    whatever its compress hands its decompress."""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor: ...
 
 
 class NoneCompressor:
@@ -13,15 +26,15 @@ class NoneCompressor:
     """
 
     @staticmethod
-    def wire_dtype(dtype):
+    def wire_dtype(dtype: torch.dtype) -> torch.dtype:
         return dtype
 
     @staticmethod
-    def compress(tensor):
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
         return tensor, None
 
     @staticmethod
-    def decompress(tensor, ctx):
+    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
         return tensor
 
 
@@ -29,15 +42,15 @@ class FP16Compressor:
     """Halves the bytes of floating gradients on the wire; other dtypes pass unchanged."""
 
     @staticmethod
-    def wire_dtype(dtype):
+    def wire_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if dtype.is_floating_point else dtype
 
     @staticmethod
-    def compress(tensor):
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         return tensor.to(FP16Compressor.wire_dtype(tensor.dtype)), tensor.dtype
 
     @staticmethod
-    def decompress(tensor, ctx):
+    def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
         return tensor.to(ctx)
 
 

@@ -23,6 +23,8 @@ the default group when the script initialised torch.distributed itself.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,12 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from elastic.worker import runtime, torch_world
 from elastic.worker.abortable import abortable
 from elastic.worker.collectives import ReduceOp
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    # A DDP comm hook: (its state, a bucket of gradients) -> the reduced bucket's future.
+    CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 def _average_hook(wrapper, bucket):
@@ -49,13 +57,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     op = ReduceOp.Average
 
-    def __init__(self, module: torch.nn.Module, **ddp_kwargs):
+    def __init__(self, module: torch.nn.Module, **ddp_kwargs: Any) -> None:
         super().__init__()
         self.module = module
         # No collectives at construction: a newcomer builds its DDP while the others
         # move theirs (no collective either), and TorchState's sync equalised the state.
         self._ddp_kwargs = dict(ddp_kwargs, init_sync=False)
-        self._hook = None          # (state, hook) given by register_comm_hook
+        self._hook: tuple[Any, CommHook] | None = None   # (state, hook) given by register_comm_hook
         self.__dict__["_ddp"] = None     # not a submodule: state_dict keys stay module.*
         self.__dict__["process_group"] = None
         self.rebinds = 0           # rounds whose DDP replaced an earlier one's (tests; logs)
@@ -106,7 +114,7 @@ class DistributedDataParallel(torch.nn.Module):
         return run
 
     # -- torch's DDP interface ---------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self.ddp
         if ddp is None:
             return self.module(*args, **kwargs)
@@ -123,20 +131,20 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_backward = sync
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (torch's ``no_sync``)."""
         ddp = self.ddp
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             yield
 
-    def register_comm_hook(self, state, hook) -> None:
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """torch's ``register_comm_hook``, kept across rounds; before the first forward.
         A ``state`` of None means the current round's group (as torch's hooks read it)."""
         if self._ddp is not None or self._hook is not None:
             raise RuntimeError("register_comm_hook: call it once, before the first forward")
         self._hook = (state, hook)
 
-    def train(self, mode: bool = True):
+    def train(self, mode: bool = True) -> Self:
         super().train(mode)
         if self._ddp is not None:
             self._ddp.train(mode)   # type: ignore[union-attr]

@@ -42,7 +42,8 @@ depend on how samples are grouped into micro-batches).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from elastic.worker import runtime
 from elastic.worker.collectives import ReduceOp
@@ -50,20 +51,22 @@ from elastic.worker.collectives import ReduceOp
 if TYPE_CHECKING:
     import torch
 
+    from elastic.training.sampler import ElasticSampler
+
 
 class MicroBatch:
     """Part of this rank's share of a global batch, small enough for one forward pass."""
 
     __slots__ = ("indices", "weight", "last", "_scale", "_optimizer")
 
-    def __init__(self, indices, scale, last, optimizer):
+    def __init__(self, indices: list[int], scale: float, last: bool, optimizer: object) -> None:
         self.indices = indices
         self._scale = scale                  # world-size factor / G
         self.weight = len(indices) * scale   # for a loss that is a mean over the micro-batch
         self.last = last                     # its backward pass launches the allreduce
         self._optimizer = optimizer
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.indices)
 
     def scale(self, loss: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -77,7 +80,7 @@ class MicroBatch:
             return loss * self._scale
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
 
-    def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs) -> None:
+    def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs: Any) -> None:
         """Backward of the weighted loss; all but the last micro-batch accumulate locally."""
         weighted = self.scale(loss, reduction)
         no_sync = getattr(self._optimizer, "no_sync", None)
@@ -96,7 +99,8 @@ class GlobalBatch:
     ``number``: how many batches this iteration yielded before it; ``size``: ``G``.
     """
 
-    def __init__(self, number, global_indices, indices, micro_batch_size, scale, optimizer):
+    def __init__(self, number: int, global_indices: list[int], indices: list[int],
+                 micro_batch_size: int | None, scale: float, optimizer: object) -> None:
         self.number = number
         self.global_indices = global_indices
         self.indices = indices
@@ -107,7 +111,7 @@ class GlobalBatch:
                               for i, c in enumerate(chunks)]
         self._owner = optimizer
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[MicroBatch]:
         # torch's DDP decides at the forward pass whether the backward reduces, so an
         # elastic.DDP owner is told before each micro-batch's forward (and reset after).
         sync_backward = getattr(self._owner, "sync_backward", None)
@@ -121,11 +125,11 @@ class GlobalBatch:
         finally:
             sync_backward(True)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.micro_batches)
 
 
-def world_scale(optimizer) -> float:
+def world_scale(optimizer: object) -> float:
     """The factor that turns 'share of the global batch' into a loss weight: the world
     size when the optimizer averages across ranks, 1 when it sums."""
     op = getattr(optimizer, "op", None)
@@ -142,7 +146,8 @@ def world_scale(optimizer) -> float:
     raise ValueError(f"global-batch mode needs op=Average or op=Sum, not {op!r}")
 
 
-def iterate_global_batches(sampler, optimizer, micro_batch_size=None):
+def iterate_global_batches(sampler: ElasticSampler, optimizer: object,
+                           micro_batch_size: int | None = None) -> Iterator[GlobalBatch]:
     """The generator behind ``ElasticSampler.global_batches``."""
     g = sampler.global_batch_size
     if not g:

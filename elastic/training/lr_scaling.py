@@ -39,10 +39,18 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 from elastic.training.adascale import GainEstimator, GradientNorms
 from elastic.worker import runtime
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import LRScheduler
+
+# drive() hands back the scheduler it was given, as its own type.
+Scheduler = TypeVar("Scheduler", bound="LRScheduler")
 
 ADASCALE = "adascale"
 
@@ -53,7 +61,12 @@ RULES = {
 }
 
 
-def _inner_optimizer(optimizer):
+def _observed(optimizer: torch.optim.Optimizer) -> Any:
+    """A DistributedOptimizer, whose ``gradient_observer`` (not a torch attribute) we set."""
+    return cast(Any, optimizer)
+
+
+def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer that actually steps: DistributedOptimizer delegates to it."""
     inner = optimizer.__dict__.get("_opt")
     return inner if inner is not None else optimizer
@@ -95,9 +108,9 @@ class LRScaler:
     # optimizer -> its scaler: one per optimizer, without writing onto the user's object
     _attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, optimizer, base_size: int, rule: str | Callable = "linear",
-                 size_fn: Callable[[], int] | None = None, accumulation: int | None = None,
-                 measure_every: int = 1):
+    def __init__(self, optimizer: torch.optim.Optimizer, base_size: int,
+                 rule: str | Callable = "linear", size_fn: Callable[[], int] | None = None,
+                 accumulation: int | None = None, measure_every: int = 1) -> None:
         self.base_size = int(base_size)
         self.rule = rule
         self._size_fn = size_fn or runtime.size
@@ -125,7 +138,7 @@ class LRScaler:
             self._norms = GradientNorms(self.observe,
                                         lambda: self.steps % self.measure_every == 0)
             if optimizer is not self._opt:          # a DistributedOptimizer
-                optimizer.gradient_observer = self._norms
+                _observed(optimizer).gradient_observer = self._norms
         LRScaler._attached[self._opt] = self
 
     @property
@@ -165,7 +178,8 @@ class LRScaler:
                                       self.measure_every)
 
     @property
-    def ddp_comm_hook(self):
+    def ddp_comm_hook(self) -> Callable[[dist.ProcessGroup | None, dist.GradBucket],
+                                        torch.futures.Future[torch.Tensor]]:
         """For DDP, which reduces the gradients itself: a comm hook that averages as DDP
         does and measures the norms on the way; ``model.register_comm_hook(None,
         scaler.ddp_comm_hook)``. With ``no_sync()`` accumulation, give ``accumulation=``."""
@@ -173,7 +187,7 @@ class LRScaler:
             raise ValueError(f"ddp_comm_hook is for rule='adascale', not {self.rule!r}")
         return self._norms.comm_hook
 
-    def drive(self, scheduler, every: float = 1.0):
+    def drive(self, scheduler: Scheduler, every: float = 1.0) -> Scheduler:
         """Step ``scheduler`` (LambdaLR, CosineAnnealingLR, StepLR...) once per ``every``
         scale-invariant iterations instead of once per step, so a schedule written in
         single-worker iterations holds at any scale. Put the scheduler in the state too.
@@ -185,21 +199,21 @@ class LRScaler:
         self._driven.append((scheduler, float(every)))
         return scheduler
 
-    def scaled_lrs(self) -> list:
+    def scaled_lrs(self) -> list[float]:
         """The lr of each param group as the optimizer uses it at the current size."""
         factor = self.update() if self.estimator is not None else scale_factor(
             int(self._size_fn()), self.base_size, self.rule)
         return [group["lr"] * factor for group in self._opt.param_groups]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Progress and adascale's estimates: what a commit or a checkpoint keeps."""
-        state = {"rule": self.rule if isinstance(self.rule, str) else "callable",
+        state: dict[str, Any] = {"rule": self.rule if isinstance(self.rule, str) else "callable",
                  "progress": self.progress, "steps": self.steps}
         if self.estimator is not None:
             state["estimator"] = self.estimator.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.progress = float(state["progress"])
         self.steps = int(state["steps"])
         if self.estimator is not None and "estimator" in state:
@@ -213,7 +227,7 @@ class LRScaler:
             handle.remove()
         self._handles = []
         if self._wrapper is not self._opt and "gradient_observer" in vars(self._wrapper):
-            self._wrapper.gradient_observer = None
+            _observed(self._wrapper).gradient_observer = None
         if LRScaler._attached.get(self._opt) is self:
             del LRScaler._attached[self._opt]
 

@@ -17,16 +17,19 @@ per hook call and per bucket; the layout is rebuilt only when the round or the
 trainable set changes.
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.training import optimizer_checks as checks
-from elastic.training.compression import Compression, FP16Compressor, NoneCompressor
+from elastic.training.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from elastic.training.optimizer_layout import build_buckets, detach_views, launch_bucket, zero_grad
 from elastic.worker import collectives, runtime
 from elastic.worker.collectives import Average, ReduceOp
@@ -468,11 +471,13 @@ def _class_for(optimizer):
     return cls
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
-                         compression=Compression.none, backward_passes_per_step: int = 1,
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: Compressor = Compression.none, backward_passes_per_step: int = 1,
                          op: str = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                         groups=None, sparse_as_dense: bool = False, process_set=None, *,
-                         bucket_cap_mb: "float | None" = None) -> torch.optim.Optimizer:
+                         groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+                         sparse_as_dense: bool = False, process_set: checks.ReducingSet | None = None, *,
+                         bucket_cap_mb: float | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that step() applies gradients reduced with ``op`` across ranks.
 
     Horovod's signature. With backward_passes_per_step=k, gradients accumulate

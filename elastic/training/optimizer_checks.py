@@ -1,7 +1,11 @@
 """Checks of DistributedOptimizer's arguments, with Horovod's error wording where it has one."""
 
+from __future__ import annotations
+
 import collections
 import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -13,18 +17,30 @@ STEP_AFTER_SYNCHRONIZE = (
     "synchronize yourself (the gradients are not reduced twice either way)")
 
 
+class ReducingSet(Protocol):
+    """What DistributedOptimizer uses of a process set (elastic.torch's ProcessSet):
+    whether this rank is in it, and its bucket allreduce (a handle for
+    ``collectives.synchronize``, or None)."""
+
+    process_set_id: int | None
+
+    def included(self) -> bool: ...
+
+    def reduce_async(self, tensor: torch.Tensor, op: str) -> tuple | None: ...
+
+
 class TooManyBackwardPassesError(ElasticError, AssertionError):
     """A gradient was computed more often than backward_passes_per_step before step():
     an AssertionError, as Horovod raises it from backward(), and a RuntimeError."""
 
 
-def check_passes(passes):
+def check_passes(passes: object) -> int:
     if not (isinstance(passes, int) and not isinstance(passes, bool) and passes >= 1):
         raise ValueError(f"backward_passes_per_step must be an int >= 1, not {passes!r}")
     return passes
 
 
-def check_process_set(process_set):
+def check_process_set(process_set: Any) -> ReducingSet | None:
     """None, the global set, or a registered elastic.torch ProcessSet (reduced over its
     members by its ``reduce_async``)."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
@@ -37,7 +53,8 @@ def check_process_set(process_set):
     return process_set
 
 
-def check_groups(groups, optimizer):
+def check_groups(groups: object,
+                 optimizer: torch.optim.Optimizer) -> int | list[list[torch.Tensor]] | None:
     """Horovod's ``groups``: None, an int > 0, or lists of the optimizer's parameters."""
     if groups is None:
         return None
@@ -53,7 +70,8 @@ def check_groups(groups, optimizer):
         raise ValueError("groups should be a non-negative integer or a list of lists of "
                          "torch.Tensor")
     known = {p for g in optimizer.param_groups for p in g["params"]}
-    seen, out = set(), []
+    seen: set[torch.Tensor] = set()
+    out: list[list[torch.Tensor]] = []
     for group in groups:
         members = list(group)
         for p in members:
@@ -68,7 +86,8 @@ def check_groups(groups, optimizer):
     return out
 
 
-def check_names(optimizer, named_parameters):
+def check_names(optimizer: torch.optim.Optimizer,
+                named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[torch.Tensor, str]:
     """Names only label errors, but a wrong list usually means the wrong model was passed."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
@@ -92,7 +111,7 @@ def check_names(optimizer, named_parameters):
 FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"   # bytes, as horovodrun's --fusion-threshold-mb sets it
 
 
-def default_bucket_cap_mb(environ=os.environ):
+def default_bucket_cap_mb(environ: Mapping[str, str] = os.environ) -> float:
     """$HOROVOD_FUSION_THRESHOLD in MiB (0: one tensor per bucket, as in Horovod), else 25."""
     raw = environ.get(FUSION_ENV, "")
     if raw == "":

@@ -7,9 +7,18 @@ dtype and device and at most ``cap`` bytes, or exactly one of the caller's
 every rank builds the same one.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from elastic.worker import collectives
+
+if TYPE_CHECKING:
+    from elastic.training.compression import Compressor
+    from elastic.training.optimizer_checks import ReducingSet
 
 
 class Bucket:
@@ -18,24 +27,31 @@ class Bucket:
     __slots__ = ("index", "params", "views", "ctxs", "flat", "nbytes", "ready", "handle",
                  "as_view", "cast_only", "loose", "sparse", "frozen")
 
-    def __init__(self, index):
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.params, self.views, self.ctxs = [], [], []
-        self.flat, self.nbytes, self.ready, self.handle = None, 0, 0, None
+        self.params: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []
+        self.ctxs: list[Any] = []      # each parameter's compressor context
+        self.flat: torch.Tensor | None = None
+        self.nbytes, self.ready = 0, 0
+        self.handle: tuple | None = None   # the allreduce in flight (collectives.synchronize)
         self.as_view = self.cast_only = False
-        self.loose = []    # params whose p.grad is not a bucket view (compressed buckets)
-        self.sparse = []   # this cycle: (param, position, sparse_dim) to hand back sparse
-        self.frozen = []   # this cycle: params frozen since the build (no gradient kept)
+        self.loose: list[torch.Tensor] = []   # params whose p.grad is not a bucket view (compressed)
+        # this cycle: (param, position, sparse_dim) to hand back sparse
+        self.sparse: list[tuple[torch.Tensor, int, int]] = []
+        self.frozen: list[torch.Tensor] = []  # this cycle: params frozen since the build (no gradient)
 
 
-def _explicit(trainable, groups):
+def _explicit(trainable: list[torch.Tensor],
+              groups: int | Sequence[Sequence[torch.Tensor]] | None) -> dict[torch.Tensor, int]:
     """Per trainable param, its group number, or None."""
     if groups is None:
         return {}
     if isinstance(groups, int):
         n = min(groups, len(trainable)) or 1
         per, extra = divmod(len(trainable), n)
-        of, start = {}, 0
+        of: dict[torch.Tensor, int] = {}
+        start = 0
         for g in range(n):
             size = per + (1 if g < extra else 0)
             for p in trainable[start:start + size]:
@@ -46,22 +62,25 @@ def _explicit(trainable, groups):
     return {p: g for g, members in enumerate(groups) for p in members if p in live}
 
 
-def build_buckets(trainable, groups, cap, compression, as_view):
+def build_buckets(trainable: list[torch.Tensor], groups: int | Sequence[Sequence[torch.Tensor]] | None,
+                  cap: float, compression: Compressor, as_view: bool) -> list[Bucket]:
     """The buckets for these trainable parameters, with their buffers allocated.
 
     ``as_view``: the compressor leaves gradients as they are, so parameters' gradients
     can be views into the buffers.
     """
     group_of = _explicit(trainable, groups)
-    buckets, open_buckets, group_buckets = [], {}, {}
+    buckets: list[Bucket] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], Bucket] = {}
+    group_buckets: dict[tuple[int, torch.dtype, torch.device], Bucket] = {}
     for p in reversed(trainable):
         nbytes = p.numel() * p.element_size()
         g = group_of.get(p)
         if g is not None:
-            key = (g, p.dtype, p.device)
-            bucket = group_buckets.get(key)
+            in_group = (g, p.dtype, p.device)
+            bucket = group_buckets.get(in_group)
             if bucket is None:
-                bucket = group_buckets[key] = Bucket(len(buckets))
+                bucket = group_buckets[in_group] = Bucket(len(buckets))
                 buckets.append(bucket)
         else:
             key = (p.dtype, p.device)
@@ -74,7 +93,7 @@ def build_buckets(trainable, groups, cap, compression, as_view):
     cast_only = hasattr(compression, "wire_dtype")
     for bucket in buckets:
         first = bucket.params[0]
-        if cast_only:
+        if hasattr(compression, "wire_dtype"):      # cast_only, written so that mypy narrows
             dtype = compression.wire_dtype(first.dtype)
         else:
             dtype = compression.compress(first.new_zeros(1))[0].dtype
@@ -92,7 +111,7 @@ def build_buckets(trainable, groups, cap, compression, as_view):
     return buckets
 
 
-def zero_grad(p, set_to_none):
+def zero_grad(p: torch.Tensor, set_to_none: bool) -> None:
     """Optimizer.zero_grad for one parameter, as torch does it."""
     if p.grad is None:
         return
@@ -106,7 +125,7 @@ def zero_grad(p, set_to_none):
     p.grad.zero_()
 
 
-def detach_views(buckets, keep):
+def detach_views(buckets: Iterable[Bucket] | None, keep: bool) -> None:
     """Gradients that are views into ``buckets``' buffers stop being views, because
     those buffers are given up (only on a rebuild or a failure, never per step).
 
@@ -123,10 +142,12 @@ def detach_views(buckets, keep):
 
 
 
-def launch_bucket(process_set, flat, op, predivide):
+def launch_bucket(process_set: ReducingSet | None, flat: torch.Tensor, op: str,
+                  predivide: float) -> tuple[tuple | None, int]:
     """Start a bucket's allreduce over the round, or over a ProcessSet's members; returns
     (handle, bytes sent). A rank outside the set gets (None, 0): its gradients stay its
     own. ``predivide`` (gradient_predivide_factor) divides before the sum."""
+    reduce_async: Callable[[torch.Tensor, str], tuple | None]
     if process_set is None or process_set.process_set_id == 0:
         reduce_async = collectives.allreduce_async
     elif process_set.included():

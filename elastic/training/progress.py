@@ -10,7 +10,8 @@ _MIN_INTERVAL_S = 0.5
 _last = [0.0]
 
 
-def report_progress(step: int | None = None, samples: int | None = None, **metrics) -> None:
+def report_progress(step: int | None = None, samples: int | None = None,
+                    **metrics: float) -> None:
     """Tell elasticrun how far training got; cheap enough to call every step.
 
     Only rank 0's reports are shown. Calls closer than 0.5 s apart are

@@ -25,12 +25,17 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
+from collections.abc import Iterator, Sequence, Sized
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import IterableDataset, Sampler
 
+if TYPE_CHECKING:
+    from elastic.training.global_batch import GlobalBatch
 
-def _current_rank_size():
+
+def _current_rank_size() -> tuple[int, int]:
     """Ask the elastic runtime which rank we are and how many ranks there are."""
     try:
         from elastic.worker import runtime
@@ -57,7 +62,7 @@ class ElasticSampler(Sampler):
     :meth:`global_batches` and call :meth:`record_global_batch` after each step.
     """
 
-    def __init__(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  global_batch_size: int | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -98,42 +103,42 @@ class ElasticSampler(Sampler):
     # -- the split, under Horovod's names too ------------------------------------
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         """The rank this sampler hands samples to (as of the last reset)."""
         return self._rank
 
     @property
-    def size(self):
+    def size(self) -> int:
         """The world size it splits the epoch over (as of the last reset)."""
         return self._size
 
     @property
-    def length(self):
+    def length(self) -> int:
         """Samples in the dataset: an epoch's permutation is this long."""
         return self._len
 
     @property
-    def num_replicas(self):
+    def num_replicas(self) -> int:
         """Horovod's name for ``size``."""
         return self._size
 
     @property
-    def num_samples(self):
+    def num_samples(self) -> int:
         """This rank's share of the epoch as of the last reset: ``len(sampler)``."""
         return len(self._indices)
 
     @property
-    def total_size(self):
+    def total_size(self) -> int:
         """``num_samples`` times ``num_replicas``: the remaining samples, padded to split evenly."""
         return self.num_samples * self._size
 
     @property
-    def remaining_indices(self):
+    def remaining_indices(self) -> list[int]:
         """The dataset indices no rank had consumed at the last reset, in epoch order."""
         return self._perm()[self.processed:].tolist()
 
     @property
-    def processed_indices(self):
+    def processed_indices(self) -> set[int]:
         """The dataset indices consumed so far this epoch (a set, as in Horovod)."""
         return set(self._perm()[: self.processed_num].tolist())
 
@@ -155,7 +160,7 @@ class ElasticSampler(Sampler):
         and only kept so the call matches other samplers' API."""
         self._advance(int(batch_size))
 
-    def record_indices(self, indices) -> None:
+    def record_indices(self, indices: Sized) -> None:
         """Count a finished batch given by the indices it used."""
         self._advance(len(indices))
 
@@ -175,13 +180,14 @@ class ElasticSampler(Sampler):
             raise RuntimeError("global_batches_left needs ElasticSampler(global_batch_size=...)")
         return self._batches - self._local
 
-    def global_batches(self, optimizer, micro_batch_size=None):
+    def global_batches(self, optimizer: object,
+                       micro_batch_size: int | None = None) -> Iterator[GlobalBatch]:
         """Global-batch mode: yield one :class:`elastic.global_batch.GlobalBatch` per
         optimizer step left in this epoch. See :mod:`elastic.global_batch`."""
         from elastic.training.global_batch import iterate_global_batches
         return iterate_global_batches(self, optimizer, micro_batch_size)
 
-    def _advance(self, count):
+    def _advance(self, count: int) -> None:
         if self.global_batch_size:
             raise RuntimeError("in global-batch mode progress moves one global batch at a time: "
                                "call record_global_batch() after each optimizer step")
@@ -225,10 +231,10 @@ class ElasticSampler(Sampler):
         self._local = 0
         self._recompute()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Return the full sampler state: four scalars, with no index lists (plus the
         order and processed head of a state loaded from Horovod, while they matter)."""
-        sd = {"epoch": self.epoch, "processed": self.processed_num,
+        sd: dict[str, Any] = {"epoch": self.epoch, "processed": self.processed_num,
               "seed": self.seed, "shuffle": self.shuffle}
         if self._order != "torch":
             sd["order"] = self._order
@@ -333,16 +339,19 @@ class ElasticSampler(Sampler):
         pos = self.processed + torch.arange(self._batches * g).view(self._batches, g)
         self._indices = self._perm()[pos % self._len][:, self._rank::self._size].flatten().tolist()
 
-    def global_batch_indices(self, number):
+    def global_batch_indices(self, number: int) -> list[int]:
         """Global-batch mode: all ``G`` indices of global batch ``number`` of the rest of
         this epoch (0 is the next one), the same on every rank and at every world size."""
         if not 0 <= number < self._batches - self._local:
             raise IndexError(f"global batch {number} is past the end of the epoch")
         g = self.global_batch_size
+        if g is None:     # outside global-batch mode no batch is left: the check above raised
+            raise RuntimeError("global_batch_indices() needs ElasticSampler(global_batch_size=...)")
         start = self.processed + (self._local + number) * g
         return self._perm()[torch.arange(start, start + g) % self._len].tolist()
 
-    def share_of(self, indices, rank=None, size=None):
+    def share_of(self, indices: Sequence[int], rank: int | None = None,
+                 size: int | None = None) -> list[int]:
         """The part of a global batch that ``rank`` of ``size`` trains (default: this rank)."""
         rank = self._rank if rank is None else int(rank)
         size = self._size if size is None else int(size)
