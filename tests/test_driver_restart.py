@@ -116,11 +116,14 @@ def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job, tmp_path
 
 
 @pytest.mark.slow
-def test_a_worker_that_crashes_while_the_driver_is_away_is_handled_when_it_returns(join_job):
-    """The survivors restore the last commit and wait; the restarted driver adopts them,
-    fills the free slot with a worker whose id no earlier worker had, and the job ends
-    with every sample trained once."""
-    job = join_job(["-np", "3", "--min-np", "2", "--worker-timeout", "10"],
+def test_a_worker_that_crashes_while_the_driver_is_away_is_handled_when_it_returns(join_job, tmp_path):
+    """The survivors restore the last commit and wait; the restarted driver adopts them and
+    blames the crash (its agent reports the exit code no driver read): the host is
+    blacklisted as for any failed worker, so the free slot is filled on a new host, by a
+    worker whose id no earlier worker had, and the job ends with every sample trained once."""
+    events = tmp_path / "events.jsonl"
+    job = join_job(["-np", "3", "--min-np", "2", "--worker-timeout", "10",
+                    "--event-log", str(events)],
                    env={"JOB_HOLD": "3,12", "JOB_FAULT": "6:2:exit"}).start()
     for name in ("node-a", "node-b", "node-c"):
         job.join(name)
@@ -135,20 +138,69 @@ def test_a_worker_that_crashes_while_the_driver_is_away_is_handled_when_it_retur
                            for n in ("node-a", "node-b", "node-c")) == 2,
                "the survivors to restore the last commit",
                output=lambda: job.agent_output("node-a"))
+    crashed = (job.out / "fault.0").read_text()
+    host = next(r["host"] for r in job.steps() if r["worker"] == crashed)
     job.restart_driver()
     job.wait_for(lambda: "adopted worker(s) are back" in job.output(), "the adoption")
-    job.release(12)
+    job.wait_step(12, size=2)                 # held there until the newcomer's round
+    job.join("node-d")                        # the slot the blacklisted host no longer gives
+    job.wait_step(13, size=3)
     code = job.finish()
     job.assert_ok(code, final_size=3)
     out = job.output()
     assert _adopted(out) == 2, out[-4000:]
+    assert f"worker {crashed} on {host} exited with code 3 while the driver was away; " \
+           f"blacklisting host {host}" in out, out[-4000:]
+    failed = [e for e in _events(events) if e["event"] in ("worker_failed", "host_blacklisted")]
+    assert [(e["event"], e["host"]) for e in failed] == [("worker_failed", host),
+                                                         ("host_blacklisted", host)], failed
     assert survivors < pids
-    crashed = (job.out / "fault.0").read_text()
     workers = {r["worker"] for r in job.steps()}
     assert workers == {"0", "1", "2", "3"} and crashed in workers, workers   # "3": a new id
     assert {r["worker"] for r in job.steps() if r["step"] > 6} == {"0", "1", "2", "3"} - {crashed}
+    assert {r["host"] for r in job.steps() if r["worker"] == "3"} == {"node-d"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["no-checkpoint-dir", "checkpoint-dir"])
+def test_a_driver_killed_after_training_ended_is_told_the_job_finished(
+        join_job, tmp_path, checkpoints):
+    """Every worker wrote its final state and holds before exiting (JOB_END_GATE) when the
+    driver is SIGKILLed; they exit 0 while it is away. The same command started again
+    learns from --state-dir (the round, its members) and from the agents (their workers'
+    exit codes, unread by any driver) that the job finished: it says so in one line and
+    exits 0, starting no worker (without a checkpoint, starting one would train again
+    from step 0). Started once more, it finds the job finished in --state-dir."""
+    events, state = tmp_path / "events.jsonl", tmp_path / "state"
+    extra = ["--checkpoint-dir", str(tmp_path / "ckpt")] if checkpoints else []
+    job = join_job(["-np", "2", "--worker-timeout", "10", "--event-log", str(events),
+                    "--state-dir", str(state)] + extra,
+                   env={"JOB_END_GATE": "1", "JOB_EPOCHS": "1", "JOB_SAMPLES": "16"}).start()
+    job.join("node-a")
+    job.join("node-b")
+    job.wait_for(lambda: len(job.finals()) == 2, "both workers' final state")
+    pids = set(job_workers(job.out))
+    _kill_driver(job)
+    assert "job finished" not in job.output()
+    (job.out / "end-go").write_text("go")
+    wait_until(lambda: not job_workers(job.out), "the workers to exit while the driver is away",
+               output=lambda: job.agent_output("node-a"))
+    steps = len(job.steps())
+    job.restart_driver()
+    code = job.finish()
+    out = job.output()
+    assert code == 0, out[-4000:]
+    assert "training finished while the driver was away: the 2 worker(s) of round" in out, \
+        out[-4000:]
+    assert "adopting" not in out and len(job.steps()) == steps     # nothing started again
+    assert len(list(job.out.glob("env.*.json"))) == 2 and len(pids) == 2
+    finished = [e for e in _events(events) if e["event"] == "job_finished"]
+    assert [e.get("driver_away") for e in finished] == [True], finished
+    for name in ("node-a", "node-b"):
+        assert job.wait_agent(name) == 0, job.agent_output(name)
+    job.restart_driver()                          # the job is over: it knows from --state-dir
+    assert job.finish() == 0
+    assert "the job in --state-dir already finished" in job.output().split(out)[-1]
 
 
 def _events(path):

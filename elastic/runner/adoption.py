@@ -144,6 +144,11 @@ class Adoption:
         self._looked = None
         self._told = False
 
+    def settled(self):
+        """Every live worker handed over was adopted and released into a round (or none
+        was handed over)."""
+        return not (self.pending or self.held or self.waiting)
+
     def take(self, backend, workers, job, now, hosts):
         """New records for the workers ``backend`` (the agent hub) hands over, once
         ``hosts`` (discovered: host -> slots) lists their host, and the job with its next

@@ -26,14 +26,20 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
-from elastic import protocol, streams
+from elastic import protocol
 from elastic.exceptions import ElasticError
 from elastic.protocol import AgentKeys, ControlError, ControlStore
 from elastic.runner import launcher, spawn_env
+from elastic.runner.agent_outbox import (  # noqa: F401 - tests read the bounds here
+    MAX_LINE_CHARS,
+    MAX_QUEUED_LINES,
+    MAX_REPORT_LINES,
+    ForwardingSink,
+    Outbox,
+)
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.1
@@ -44,9 +50,6 @@ FLUSH_WAIT_S = 5.0          # a drained agent waits this long for the driver to 
 DRIVER_SILENT_S = 5.0       # no ack of our beats for this long: is the driver still there?
 ANSWER_WAIT_S = 5.0         # a (restarted) driver answers a beat or a registration by then
 DEFAULT_DRIVER_GRACE_S = 120.0
-MAX_REPORT_LINES = 2000
-MAX_LINE_CHARS = 8192           # a longer line reaches the driver cut and marked (bytes, as read)
-MAX_QUEUED_LINES = 10 * MAX_REPORT_LINES   # beyond this, lines wait in no queue: dropped, counted
 
 
 class AgentFailed(ElasticError):
@@ -68,60 +71,6 @@ class AgentConfig:
     driver_grace: float = DEFAULT_DRIVER_GRACE_S   # keep the workers this long without a driver
 
 
-class _ForwardingSink(launcher.OutputSink):
-    """Prints and keeps worker output locally and queues each line for the driver."""
-
-    def __init__(self, output_dir, outbox, quiet=False):
-        super().__init__(output_dir, quiet=quiet, max_line=MAX_LINE_CHARS)
-        self._outbox = outbox
-
-    def attach(self, worker_id, stream, name, on_line=None):
-        def forward(raw):
-            self._outbox.line(worker_id, name, raw)
-        return super().attach(worker_id, stream, name, on_line=forward)
-
-
-class Outbox:
-    """Output lines and exits waiting to go to the driver, in order."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._out = []
-        self._exits = []
-        self._dropped = {}         # (worker_id, stream) -> lines dropped while the queue was full
-
-    def line(self, worker_id, name, raw):
-        text = raw.decode("utf-8", "replace")
-        if len(text) > MAX_LINE_CHARS:
-            text = text[:MAX_LINE_CHARS] + streams.CUT_MARK.format(limit=MAX_LINE_CHARS)
-        with self._lock:
-            if len(self._out) >= MAX_QUEUED_LINES:
-                key = (worker_id, name)
-                self._dropped[key] = self._dropped.get(key, 0) + 1
-                return
-            self._tell_dropped()
-            self._out.append([worker_id, name, text])
-
-    def _tell_dropped(self):
-        """One line per stream that lost lines to a full queue (the lock is held)."""
-        for (wid, stream), count in self._dropped.items():
-            self._out.append([wid, stream, f"[elastic: {count} lines dropped: the driver "
-                                           "did not read them fast enough]"])
-        self._dropped.clear()
-
-    def exited(self, worker_id, code):
-        with self._lock:
-            self._exits.append([worker_id, code])
-
-    def take(self):
-        with self._lock:
-            if self._dropped and len(self._out) < MAX_QUEUED_LINES:
-                self._tell_dropped()
-            out, self._out = self._out[:MAX_REPORT_LINES], self._out[MAX_REPORT_LINES:]
-            exits, self._exits = (self._exits, []) if not self._out else ([], self._exits)
-        return out, exits
-
-
 def read_secret_file(path):
     """The job secret from ``path``; AgentFailed with one line when it is unusable."""
     try:
@@ -139,7 +88,7 @@ class Agent:
         self.cfg = cfg
         self.secret = read_secret_file(cfg.secret_file)
         self.outbox = Outbox()
-        self.sink = _ForwardingSink(cfg.output_dir, self.outbox, cfg.quiet)
+        self.sink = ForwardingSink(cfg.output_dir, self.outbox, cfg.quiet)
         self.workers = {}
         self.index = None
         self.beat_seq = 0
@@ -150,6 +99,8 @@ class Agent:
         self.drain_deadline = None
         self.heard_at = time.monotonic()   # the driver's last sealed ack of a beat
         self.ended = []                    # ids of this agent's workers that exited
+        self.codes = {}                    # ... and their exit codes (runner/outage.py)
+        self.unread = {}                   # ended id -> report it went in (0: not sent yet)
         self.acked_beat = 0
         self._signals = []
 
@@ -322,10 +273,12 @@ class Agent:
     def _register_again(self, store, nonce):
         """A restarted driver knows nothing of us: register with our live workers."""
         control = ControlStore(store, self.secret)      # the old driver's reports stay behind
+        self._reap()                                    # only live workers are handed over
         workers = {wid: w.popen.pid for wid, w in self.workers.items()}
         control.put(AgentKeys.info(self.index), {
             "host": self.cfg.host_name, "slots": self.cfg.slots, "pid": os.getpid(),
-            "workers": workers, "ended": self.ended, "nonce": nonce}, keep=True)
+            "workers": workers, "ended": self.ended, "codes": self.codes,
+            "unread": sorted(self.unread), "nonce": nonce}, keep=True)
         deadline = time.monotonic() + ANSWER_WAIT_S
         while time.monotonic() < deadline:
             answer = control.get_object(AgentKeys.accepted(self.index))
@@ -336,7 +289,8 @@ class Agent:
                     raise AgentFailed(f"the restarted driver refused this agent: "
                                       f"{answer.get('reason', 'no reason given')}; workers "
                                       "stopped")
-                self.control, self.received, self.sent, self.acked = control, 0, 0, 0
+                # It read the unread exits in the registration.
+                self.control, self.received, self.sent, self.acked, self.unread = control, 0, 0, 0, {}
                 self._beat()
                 self.heard_at = time.monotonic()
                 return True
@@ -418,6 +372,8 @@ class Agent:
                 worker.join_output()
                 del self.workers[worker_id]
                 self.ended = (self.ended + [worker_id])[-1000:]   # ids a new driver must not reuse
+                self.codes = {w: self.codes.get(w, code) for w in self.ended}
+                self.unread[worker_id] = 0
                 self.outbox.exited(worker_id, code)
 
     def _report(self):
@@ -428,6 +384,9 @@ class Agent:
             self.sent += 1
             self.control.put(AgentKeys.report(self.index, self.sent),
                              {"out": out, "exits": exits}, keep=True)
+            for worker_id, _ in exits:
+                if worker_id in self.unread:
+                    self.unread[worker_id] = self.sent
         if self.acked < self.sent:
             read = self.control.get_object(AgentKeys.read(self.index)) or {}
             upto = read.get("reports")
@@ -436,6 +395,7 @@ class Agent:
                 key = AgentKeys.report(self.index, self.acked)
                 self.control.forget(key)
                 self.control.raw.delete_key(key)
+            self.unread = {w: n for w, n in self.unread.items() if not 0 < n <= self.acked}
 
     def _stop_all(self, sig):
         for worker in self.workers.values():

@@ -21,6 +21,7 @@ thread, so an outsider flooding the store with keys slows joining down, never
 the polling of agents already in.
 """
 
+import dataclasses
 import logging
 import secrets
 import signal
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from elastic import protocol
 from elastic.protocol import AgentKeys, ControlStore
 from elastic.runner.discovery import Discovery
+from elastic.runner.outage import Back, blamed
 
 log = logging.getLogger("elasticrun")
 POLL_S = 0.1
@@ -96,6 +98,8 @@ class AgentHub(Discovery):
         self._pending = set()      # names listed whose registration is not answered yet
         self._registrations = None
         self._adopted = []         # (worker id, host, handle) of live workers agents brought
+        self._back = Back()        # what agents reported about the time no driver ran
+        self._failed_away = []     # (worker id, host, code): failed, no driver read the exit
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = None
@@ -177,6 +181,18 @@ class AgentHub(Discovery):
             adopted, self._adopted = self._adopted, []
         return adopted
 
+    def outage_report(self):
+        """What the agents registered so far said (outage.Back)."""
+        with self._lock:
+            return self._back
+
+    def take_failed_away(self):
+        """(worker id, host, code) of workers that failed while no driver read their exit
+        (outage.blamed), each once."""
+        with self._lock:
+            failed, self._failed_away = self._failed_away, []
+        return failed
+
     def _live_agent(self, host):
         matches = [a for a in self._agents.values() if a.host == host]
         live = [a for a in matches if not a.lost]
@@ -242,10 +258,22 @@ class AgentHub(Discovery):
             ended = info.get("ended")           # ids no new worker may take (None: no handle)
             self._adopted += [(str(w), host, None) for w in ended[:1000]
                               if str(w).isdigit()] if isinstance(ended, list) else []
+            self._take_codes(host, info.get("codes"), info.get("unread"), agent.workers)
+        self._back = dataclasses.replace(self._back, hosts=self._back.hosts | {host})
         self.control.put(AgentKeys.accepted(name), answer, keep=True)
         log.info("agent %s: %s with %d slot%s%s", "joined" if workers is None else "is back",
                  host, slots, "s" if slots != 1 else "",
                  "" if workers is None else f" and {len(agent.workers)} live worker(s)")
+
+    def _take_codes(self, host, codes, unread, live):
+        """The exit codes of an agent's ended workers, and which no driver read."""
+        codes = {str(w): c for w, c in list(codes.items())[:1000] if str(w).isdigit()
+                 and isinstance(c, int) and not isinstance(c, bool)} \
+            if isinstance(codes, dict) else {}
+        unread = {str(w) for w in unread[:1000]} if isinstance(unread, list) else set()
+        self._failed_away += blamed(codes, unread, dict.fromkeys(codes, host))
+        self._back = Back(self._back.hosts, self._back.live | set(live),
+                          {**self._back.codes, **codes})
 
     def _poll_agent(self, agent, now):
         beat = self.control.get_object(AgentKeys.beat(agent.index))
@@ -312,6 +340,9 @@ class AgentHub(Discovery):
             if isinstance(item, list) and len(item) == 2 and item[0] in agent.workers \
                     and isinstance(item[1], int):
                 agent.workers.pop(item[0]).code = item[1]
+                if item[0] in self._back.live:          # adopted, then ended (outage.py)
+                    self._back = Back(self._back.hosts, self._back.live - {item[0]},
+                                      {**self._back.codes, item[0]: item[1]})
 
 
 class _Registrations(threading.Thread):

@@ -7,6 +7,7 @@ round, abort one, blacklist a host, finish, fail). Discovery runs in its own
 thread and hands results over a queue, so a slow script never stalls the loop.
 """
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -46,6 +47,7 @@ from elastic.runner.discovery import BackgroundDiscovery, DiscoveryError
 from elastic.runner.events import EventLog, RoundReporter
 from elastic.runner.hosts import HostManager
 from elastic.runner.job_config import JobConfig
+from elastic.runner.outage import CHECKPOINT, FINISHED, GO, LOST, WAIT, decide_outage
 from elastic.runner.policy import can_skip, decide
 from elastic.runner.records import Observed, WorkerRecord
 from elastic.runner.stalls import exit_poll_interval, heartbeat_interval, heartbeat_read_interval
@@ -97,6 +99,8 @@ class Driver:
         self.adoption = Adoption(wait_s=config.worker_timeout)   # a restarted --serve adopts live workers
         self.saved = StateDir(config.state_dir)    # ... and takes back what it kept there
         self.job = resume(self.saved, self.job, self.hosts, self.adoption, self.started)
+        self.outage = None         # a serving driver's verdict on its predecessor's absence
+        self._away_exits: list[Exit] = []   # workers that failed while no driver read their exit
 
     def request_stop(self, signum):
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -127,6 +131,7 @@ class Driver:
                                     self.secret, self.sink)
             log.info("serving on port %d: waiting for agents (elasticrun --join)",
                      self.store_port)
+            self._serving_at = time.monotonic()
             self._first_discovery()
         background = BackgroundDiscovery(self.cfg.discovery, self.cfg.discovery_interval)
         background.start()
@@ -137,7 +142,12 @@ class Driver:
                 if serving:
                     self._adopt(now)
                 seen = self._observe(now)
-                if self._quiet(seen, now):
+                if serving and self.outage is None and \
+                        (code := self._settle_outage(now, seen)) is not None:
+                    return code
+                if serving and self.outage is None:
+                    self._away_exits[:0] = seen.exits      # nothing starts before the verdict
+                elif self._quiet(seen, now):
                     self.quiet_ticks += 1           # nothing decide could act on: O(1)
                 else:
                     self._decided_version, self._newly_ready = self.hosts.version, 0
@@ -212,7 +222,7 @@ class Driver:
         """This tick's observations: exits (every stalls.exit_poll_interval), registrations,
         heartbeats (every stalls.heartbeat_read_interval), failure reports and the current
         round's assembly."""
-        exits, ended = [], []
+        exits, ended, self._away_exits = self._away_exits, [], []
         if now - self._last_exit_poll >= exit_poll_interval(len(self.workers), TICK_S):
             self._last_exit_poll = now
             ended = [(wid, w, code) for wid, w in self.workers.items()
@@ -264,7 +274,34 @@ class Driver:
                                        and rid not in job.aborted and rid != job.final_round)
         return Observed(exits, checked, reports, joined, waiting, replaced)
 
+    def _settle_outage(self, now, seen):
+        """Decide what the time the previous driver was away means (outage.py): returns
+        the exit code when the job is over already. Adopted workers may still exit (they
+        finished as the driver died): the verdict is final once they are in a round."""
+        kept, back = self.saved.kept, self.cfg.backend.outage_report()
+        waited = now - self._serving_at
+        verdict = decide_outage(kept, back, waited, self.cfg.worker_timeout)
+        if verdict.kind == WAIT or verdict.kind == GO and kept.round and back.live and \
+                not self.adoption.settled() and waited < self.cfg.worker_timeout:
+            return None
+        self.outage = verdict
+        if verdict.kind == FINISHED:
+            log.info("%s", verdict.line)
+            self.job = dataclasses.replace(self.job, final_round=kept.round)
+            self.events.emit("job_finished", round=kept.round, size=len(kept.members),
+                             driver_away=True)
+            self.saved.note(Finish(kept.round, len(kept.members)), self.job, self.hosts, now)
+            return 0
+        if verdict.kind == LOST:
+            raise JobFailed(verdict.line)
+        if verdict.kind == CHECKPOINT:
+            self.reporter.notice(verdict.line, "state_lost", {"commit": kept.commit,
+                                                              "checkpoint": kept.durable})
+        return None
+
     def _adopt(self, now):
+        self._away_exits += [Exit(wid, host, code, ready=True, note=" while the driver was away")
+                             for wid, host, code in self.cfg.backend.take_failed_away()]
         records, self.job = self.adoption.take(self.cfg.backend, self.workers, self.job, now,
                                                self.hosts.discovered())
         for record in records:

@@ -70,6 +70,16 @@ class LauncherBackend(Protocol):
         outlives its driver."""
         ...
 
+    def outage_report(self) -> Any:
+        """What the hosts that came back said of the time no driver ran (outage.Back);
+        an empty Back for a backend that never outlives its driver."""
+        ...
+
+    def take_failed_away(self) -> list[tuple[str, str, int]]:
+        """(worker id, host, code) of workers that failed while no driver read their
+        exit, each once; [] for a backend that never outlives its driver."""
+        ...
+
     def close(self, code: int = 0) -> None:
         """The job is over (``code``: the driver's exit code): let the hosts go."""
         ...

@@ -9,7 +9,11 @@ atomically (write, fsync, rename) whenever it changes:
 * the blacklist: each host's failure count and the cooldown left;
 * the reset count (``--reset-limit`` keeps counting across a restart);
 * the newest round published and the next worker id (also rebuilt from the
-  workers; the file covers workers that died while the driver was away).
+  workers; the file covers workers that died while the driver was away);
+* the job's progress (outage.Kept): the newest round's members and hosts, the last
+  commit and checkpoint workers reported, the final round's exits, and whether the
+  job finished. A driver that comes back after every worker ended needs it to tell a
+  finished job from a lost one (runner/outage.py).
 
 The event log (``--event-log``) is appended to, so it needs no copy here.
 """
@@ -19,16 +23,52 @@ import json
 import logging
 import os
 
-from elastic.runner.decisions import HostFailed, Publish, Spawn
+from elastic.runner.decisions import (
+    Finish,
+    HostFailed,
+    NoteCommit,
+    Publish,
+    RecordExit,
+    Spawn,
+    StartFinishing,
+)
+from elastic.runner.outage import Kept
 
 log = logging.getLogger("elasticrun")
 FILE = "driver-state.json"
 
 
-def encode(job, hosts, now):
-    """The state a restarted driver needs, as a JSON-ready dict (pure)."""
+NOTED = (Publish, Spawn, HostFailed, NoteCommit, StartFinishing, RecordExit, Finish)
+
+
+def encode(job, hosts, now, kept=None, finished=False):
+    """The state a restarted driver needs, as a JSON-ready dict (pure). ``kept``: what
+    the previous driver kept, still true until this one knows better."""
+    kept = kept or Kept()
+    members = {m.worker_id: m.host for m in job.members} or dict(kept.members)
     return {"version": 1, "round": job.round_id, "next_worker": job.next_worker,
-            "resets": job.resets, "blacklist": hosts.export(now)}
+            "resets": job.resets, "blacklist": hosts.export(now), "members": members,
+            "commit": max(job.commit, kept.commit), "durable": max(job.durable, kept.durable),
+            "final_codes": dict(job.final_codes) or dict(kept.final_codes),
+            "finished": finished}
+
+
+def decode_kept(data):
+    """outage.Kept from ``encode``'s dict; what is missing or malformed reads as unknown."""
+    if not isinstance(data, dict):
+        return Kept()
+
+    def number(name, default):
+        value = data.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+    def ids(name, kind):
+        value = data.get(name)
+        return {str(k): v for k, v in value.items() if isinstance(v, kind)} \
+            if isinstance(value, dict) else {}
+    return Kept(round=max(0, number("round", 0)), members=ids("members", str),
+                commit=number("commit", -1), durable=number("durable", -1),
+                final_codes=ids("final_codes", int), finished=data.get("finished") is True)
 
 
 def decode(data):
@@ -65,6 +105,8 @@ class StateDir:
     def __init__(self, directory):
         self.directory = directory
         self._written = None
+        self.kept = decode_kept(self._read(warn=False))   # the previous driver's view of the job
+        self.finished = False
 
     @property
     def path(self):
@@ -72,22 +114,28 @@ class StateDir:
 
     def read_back(self):
         """What the previous driver of this job left; zeros when nothing."""
+        return decode(self._read())
+
+    def _read(self, warn=True):
         if not self.directory:
-            return decode(None)
+            return None
         try:
             with open(self.path) as f:
-                return decode(json.load(f))
+                return json.load(f)
         except FileNotFoundError:
-            return decode(None)
+            return None
         except (OSError, ValueError) as exc:
-            log.warning("--state-dir: cannot read %s (%s); starting without it", self.path, exc)
-            return decode(None)
+            if warn:
+                log.warning("--state-dir: cannot read %s (%s); starting without it", self.path,
+                            exc)
+            return None
 
     def note(self, action, job, hosts, now):
         """After an action: write the file if what it keeps changed."""
-        if not self.directory or not isinstance(action, (Publish, Spawn, HostFailed)):
+        if not self.directory or not isinstance(action, NOTED):
             return
-        data = encode(job, hosts, now)
+        self.finished = self.finished or isinstance(action, Finish)
+        data = encode(job, hosts, now, self.kept, self.finished)
         key = json.dumps({k: v for k, v in data.items() if k != "blacklist"}
                          | {"hosts": sorted(data["blacklist"])}, sort_keys=True)
         if key == self._written and not isinstance(action, HostFailed):

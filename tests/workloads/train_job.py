@@ -22,6 +22,8 @@ Gate: JOB_GATE=S makes every rank wait at step S, before its commit and without 
 collective, until $JOB_OUT/gate exists. JOB_SYNC_GATE=H makes the first worker on host H
 that receives the state in a sync stop inside it (after the state's header came, before
 its tensors): it writes $JOB_OUT/syncing.<worker> and waits for $JOB_OUT/sync-go.
+End gate: with JOB_END_GATE set, every worker waits after its final line, before it exits,
+until $JOB_OUT/end-go exists (a driver killed after training ended, before any exit).
 Soak hooks: a file $JOB_OUT/stuck.<worker> blocks that worker's training thread for
 good; with JOB_END_FILE, the job ends after the epoch during which that file appeared
 (rank 0 decides, so every rank agrees).
@@ -223,6 +225,9 @@ def main():
         with open(os.path.join(OUT, "history.json"), "w") as f:
             json.dump(state.history, f)
     sys.stdout.write(f"worker {WID} finished as rank {rank} of {elastic.size()}\n")
+    sys.stdout.flush()
+    while os.environ.get("JOB_END_GATE") and not os.path.exists(os.path.join(OUT, "end-go")):
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
