@@ -12,20 +12,29 @@ every rank holds the same result. As with Horovod's CPU implementation, n
 must be a power of two. Each tensor of a group is combined on its own.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
+
 import torch
 
 from elastic.torch import negotiation
 from elastic.torch.errors import AdasumUnsupportedError
 from elastic.worker import collectives
 
+if TYPE_CHECKING:
+    from elastic.torch.process_sets import Binding
+
 OP_CODE = 6
 
 
-def is_power_of_two(n):
+def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check(tensors, binding):
+def check(tensors: Sequence[torch.Tensor], binding: Binding | None) -> None:
     """Raise AdasumUnsupportedError (the same on every rank) when Adasum cannot run here."""
     size = 1 if binding is None else binding.size
     if not is_power_of_two(size):
@@ -35,7 +44,7 @@ def check(tensors, binding):
             raise AdasumUnsupportedError(f"Adasum reduces floating-point tensors, not {t.dtype}")
 
 
-def combine(a, b):
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """adasum(a, b) in float64; ``a`` is the lower rank's tensor."""
     a64, b64 = a.double(), b.double()
     dot = float((a64 * b64).sum())
@@ -45,7 +54,7 @@ def combine(a, b):
     return a64 * ca + b64 * cb
 
 
-def allreduce_(tensors, binding):
+def allreduce_(tensors: list[torch.Tensor], binding: Binding) -> list[torch.Tensor]:
     """Replace each tensor by the Adasum of its values on every rank of ``binding``."""
     me, level = binding.rank, 1
     group = binding.cpu_group if not tensors or not tensors[0].is_cuda else binding.device_group
@@ -54,10 +63,8 @@ def allreduce_(tensors, binding):
         for t in tensors:
             mine = t.detach().contiguous()
             theirs = torch.empty_like(mine)
-            send = negotiation.issue(
-                lambda m=mine, p=partner, tag=level: group.send([m], p, tag), "adasum")
-            recv = negotiation.issue(
-                lambda t=theirs, p=partner, tag=level: group.recv([t], p, tag), "adasum")
+            send = negotiation.issue(partial(group.send, [mine], partner, level), "adasum")
+            recv = negotiation.issue(partial(group.recv, [theirs], partner, level), "adasum")
             collectives.wait(send, "adasum", binding.worker)
             collectives.wait(recv, "adasum", binding.worker)
             lower, upper = (mine, theirs) if me < partner else (theirs, mine)

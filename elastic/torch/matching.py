@@ -23,8 +23,12 @@ A pending op runs when its peers issue it (inside their next exchange) or
 when this rank synchronizes it. Unnamed ops match by order, as before.
 """
 
+from __future__ import annotations
+
 import hashlib
 import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from elastic.exceptions import WorkersDepartedError
 from elastic.torch import negotiation
@@ -44,14 +48,21 @@ from elastic.torch.negotiation import (
     record,
 )
 
+if TYPE_CHECKING:
+    from elastic.torch.handles import NameKey
+    from elastic.torch.negotiation import Record
+    from elastic.torch.process_sets import Binding
+
+Issue = Callable[[Outcome], Handle]     # starts an op's data movement once the records agree
+
 BLOCKING, DEFERRABLE, WAITING = 0, 1, 2
 RUN, FLUSH, DEFER, MISMATCH = "run", "flush", "defer", "mismatch"
 
-_pending: dict = {}   # (round, set ranks) -> [Op], oldest first
+_pending: dict[tuple[int, tuple[int, ...]], list[Op]] = {}   # (round, set ranks) -> oldest first
 _lock = threading.Lock()
 
 
-def op_key(what, rec):
+def op_key(what: str, rec: Record) -> int:
     """The key of an op: its kind and name; 0 when it has no name (matched by order)."""
     if not rec[NAME]:
         return 0
@@ -62,13 +73,14 @@ def op_key(what, rec):
 class Op:
     """One op of this rank: its record, and how to issue it once the set agrees."""
 
-    def __init__(self, binding, rec, what, issue, name_key, vary_dim0):
+    def __init__(self, binding: Binding, rec: Record, what: str, issue: Issue,
+                 name_key: NameKey | None, vary_dim0: bool) -> None:
         self.binding, self.rec, self.what, self.issue = binding, rec, what, issue
         self.name_key, self.vary_dim0 = name_key, vary_dim0
         self.key = op_key(what, rec)
-        self.handle = None       # a Deferred while pending
+        self.handle: Deferred | None = None       # while pending
 
-    def run(self):
+    def run(self) -> Handle:
         """The op's own checked exchange, then its data movement (same order everywhere)."""
         outcome = negotiation.negotiate(self.binding, list(self.rec), self.what, self.vary_dim0)
         if outcome.error is not None:
@@ -79,20 +91,23 @@ class Op:
 class Deferred(Handle):
     """The handle of a named async op that waits for its peers to issue it."""
 
-    def __init__(self, op):
+    def __init__(self, op: Op) -> None:
         super().__init__(what=op.what)
-        self._op, self._inner = op, None
+        self._op = op
+        self._inner: Handle | None = None
 
-    def issued(self, inner):
+    def issued(self, inner: Handle) -> None:
         self._inner = inner
 
-    def poll(self):
+    def poll(self) -> bool:
         return self._inner is not None and self._inner.poll()
 
-    def wait(self):
+    def wait(self) -> Any:
         if self._inner is None:
             _wait_for(self._op)
-        return self._inner.wait()
+        inner = self._inner
+        assert inner is not None, "_wait_for() returns once the op was issued (or raises)"
+        return inner.wait()
 
 
 def _queue(binding):
@@ -106,7 +121,8 @@ def _queue(binding):
         return _pending.setdefault(key, [])
 
 
-def start(binding, rec, what, issue, name_key=None, vary_dim0=False, deferrable=False):
+def start(binding: Binding, rec: Record, what: str, issue: Issue, name_key: NameKey | None = None,
+          vary_dim0: bool = False, deferrable: bool = False) -> Handle:
     """Agree on an op with the set's members and issue it; returns its handle.
 
     ``issue(outcome)`` starts the data movement once the records agree.
@@ -170,7 +186,7 @@ def _drive(op, mode):
         # DEFER, and this rank's op cannot wait: exchange again with the others' next op
 
 
-def decide(records):
+def decide(records: Sequence[Record]) -> tuple[str, list[int] | None]:
     """What the set does with one exchange of records (the same on every member)."""
     if any(int(r[KIND]) == JOIN for r in records):
         return RUN, None          # join() keeps the rules of ordered ops

@@ -5,8 +5,12 @@ bytes, so every dtype keeps its exact bits. Root ranks are global ranks and
 must belong to the process set.
 """
 
+from __future__ import annotations
+
 import io
 import pickle
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,10 @@ from elastic.torch.negotiation import (
 from elastic.torch.process_sets import bind
 from elastic.worker import collectives
 
+if TYPE_CHECKING:
+    from elastic.torch.process_sets import Binding, ProcessSet
+
+Splits = Union[Sequence[int], torch.Tensor, None]    # alltoall's rows per destination rank
 _CARRIED = {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
             torch.float32, torch.float64, torch.bool}
 
@@ -48,7 +56,8 @@ def _issue(binding, tensor, what, fn):
 
 
 # -- allgather ---------------------------------------------------------------------------
-def allgather_async(tensors, name=None, process_set=None, deferrable=False):
+def allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                    process_set: ProcessSet | None = None, deferrable: bool = False) -> Handle:
     """Concatenate each tensor's values from every rank along dim 0 (dim 0 may differ)."""
     binding = bind(process_set)
     name_key = claim_name("allgather", name)
@@ -111,7 +120,8 @@ def _set_root(binding, root_rank):
     return binding.ranks.index(root_rank)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None, deferrable=False):
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet | None = None, deferrable: bool = False) -> Handle:
     """Overwrite ``tensor`` with the root's values; the handle's result is ``tensor``."""
     binding = bind(process_set)
     root = _set_root(binding, int(root_rank))
@@ -158,13 +168,14 @@ def _checked_splits(tensor, splits, size):
     return splits
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=None, deferrable=False):
+def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: str | None = None,
+                   process_set: ProcessSet | None = None, deferrable: bool = False) -> Handle:
     """Send rows ``splits[i]`` to rank i; the result is (output, received splits)."""
     binding = bind(process_set)
     size = 1 if binding is None else binding.size
     sends = _checked_splits(tensor, splits, size)
     name_key = claim_name("alltoall", name)
-    if size == 1:
+    if binding is None or binding.size == 1:
         out = tensor.detach()[:sends[0]].clone()
         return Handle(name_key=name_key,
                       finish=lambda: (out, torch.tensor(sends, dtype=torch.int32)))
@@ -196,7 +207,7 @@ def _dumps(obj):
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def broadcast_object_on(binding, obj, root):
+def broadcast_object_on(binding: Binding, obj: Any, root: int) -> Any:
     """Pickle ``obj`` from set rank ``root`` over the set's CPU group (a trusted data plane)."""
     payload = _dumps(obj) if binding.rank == root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -212,7 +223,8 @@ def broadcast_object_on(binding, obj, root):
     return obj if binding.rank == root else pickle.loads(payload.numpy().tobytes())
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> Any:
     """Horovod's broadcast_object: the root's object on every rank."""
     binding = bind(process_set)
     root = _set_root(binding, int(root_rank))
@@ -223,7 +235,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
                           lambda _: Handle.done(broadcast_object_on(binding, obj, root))).wait()
 
 
-def allgather_object(obj, name=None, process_set=None):
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list[Any]:
     """Horovod's allgather_object: a list of every rank's object, in rank order."""
     payload = _dumps(obj)
     handle = allgather_async([payload], name=name, process_set=process_set)
@@ -236,7 +248,7 @@ def allgather_object(obj, name=None, process_set=None):
     return out
 
 
-def barrier(process_set=None):
+def barrier(process_set: ProcessSet | None = None) -> None:
     binding = bind(process_set)
     if binding is None or binding.size == 1:
         return

@@ -9,12 +9,22 @@ Ranks inside ``join()`` send a JOIN record and take part in what the others do.
 The exchange costs one small allgather per op (per group, for grouped ops).
 """
 
+from __future__ import annotations
+
 import hashlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.worker import collectives
+
+if TYPE_CHECKING:
+    from elastic.torch.process_sets import Binding
+
+T = TypeVar("T")
+Record = list[int]     # one rank's description of an op (the fields below)
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, JOIN, BARRIER, WAIT = range(1, 9)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
@@ -39,15 +49,16 @@ class CollectiveMismatchError(ElasticError):
     """Ranks asked for incompatible collectives (shapes, dtypes, roots, ops, names)."""
 
 
-def _hash(text):
+def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def dtype_code(dtype):
+def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
 
 
-def record(kind, tensors=(), op=0, root=-1, name=None, vary_dim0=False, join_step=0):
+def record(kind: int, tensors: Sequence[torch.Tensor] = (), op: int = 0, root: int = -1,
+           name: str | None = None, vary_dim0: bool = False, join_step: int = 0) -> Record:
     """This rank's record (a list of ints); with ``vary_dim0`` dim 0 may differ across ranks."""
     rec = [-1] * LENGTH
     rec[KIND], rec[COUNT], rec[OP], rec[ROOT] = kind, len(tensors), op, root
@@ -74,27 +85,27 @@ def record(kind, tensors=(), op=0, root=-1, name=None, vary_dim0=False, join_ste
 class Outcome:
     """What the records say: the records by set rank, who joined, and any mismatch."""
 
-    def __init__(self, records):
+    def __init__(self, records: list[Record]) -> None:
         self.records = records
         self.joined = [r for r in range(len(records)) if records[r][KIND] == JOIN]
         self.active = [r for r in range(len(records)) if records[r][KIND] != JOIN]
-        self.error = None
+        self.error: ElasticError | None = None
 
     @property
-    def all_joined(self):
+    def all_joined(self) -> bool:
         return not self.active
 
     @property
-    def joinable(self):
+    def joinable(self) -> bool:
         """Only a plain allreduce goes on while some ranks are in join()."""
         first = self.records[self.active[0]]
         return int(first[KIND]) == ALLREDUCE and int(first[OP]) != ADASUM_CODE
 
-    def dim0s(self):
+    def dim0s(self) -> list[int]:
         return [int(r[SHAPE]) if int(r[NDIM]) > 0 else 1 for r in self.records]
 
 
-def issue(fn, what):
+def issue(fn: Callable[[], T], what: str) -> T:
     """Start backend work; a backend failure at this point means a peer is gone."""
     try:
         return fn()
@@ -104,15 +115,16 @@ def issue(fn, what):
         raise WorkersDepartedError(f"{what} failed: {exc}") from exc
 
 
-_exchanges: dict = {}   # (round, set ranks) -> exchanges so far: the same count on every member
+# (round, set ranks) -> exchanges so far: the same count on every member
+_exchanges: dict[tuple[int, tuple[int, ...]], int] = {}
 
 
-def exchanges_so_far(binding):
+def exchanges_so_far(binding: Binding) -> int:
     """How many records this set has exchanged in this round; orders the calls to join()."""
     return _exchanges.get((binding.worker.round_id, tuple(binding.ranks)), 0)
 
 
-def exchange(binding, rec):
+def exchange(binding: Binding, rec: Record) -> list[Record]:
     """Allgather ``rec`` over the set's CPU group; returns the records in set-rank order."""
     key = (binding.worker.round_id, tuple(binding.ranks))
     _exchanges[key] = _exchanges.get(key, 0) + 1
@@ -127,12 +139,12 @@ def exchange(binding, rec):
 ADASUM_CODE = 6     # reductions that joined ranks cannot take part in
 
 
-def negotiate(binding, rec, what, vary_dim0=False):
+def negotiate(binding: Binding, rec: Record, what: str, vary_dim0: bool = False) -> Outcome:
     """Exchange records and check them; the Outcome carries a mismatch error, if any."""
     return judge(Outcome(exchange(binding, rec)), binding, what, vary_dim0)
 
 
-def judge(out, binding, what, vary_dim0=False):
+def judge(out: Outcome, binding: Binding, what: str, vary_dim0: bool = False) -> Outcome:
     """Set ``out.error`` when the exchanged records do not describe one op."""
     if out.all_joined:
         return out
@@ -144,7 +156,8 @@ def judge(out, binding, what, vary_dim0=False):
     return out
 
 
-def check_records(out, binding, what, vary_dim0):
+def check_records(out: Outcome, binding: Binding, what: str,
+                  vary_dim0: bool) -> CollectiveMismatchError | None:
     recs = {binding.global_rank(r): out.records[r] for r in out.active}
 
     def differs(field, label, show=lambda v: v):

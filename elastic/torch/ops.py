@@ -9,15 +9,24 @@ set's size for Sum, times the scale factors. In-place (``*_``) and async ops
 are not tracked.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from elastic.torch import move_ops, reduce_ops
 from elastic.torch.errors import UnsupportedOpError
 from elastic.torch.handles import Handle
-from elastic.torch.process_sets import global_process_set
+from elastic.torch.process_sets import ProcessSet, global_process_set
 from elastic.torch.reduce_ops import Average, Sum, resolve_op
 from elastic.training.optimizer import Compression
 from elastic.worker import runtime
+
+if TYPE_CHECKING:
+    from elastic.torch.move_ops import Splits
+    from elastic.training.compression import Compressor
 
 _GLOBAL = global_process_set
 
@@ -25,14 +34,14 @@ _GLOBAL = global_process_set
 class _Single(Handle):
     """An async handle whose result is the single tensor of a one-tensor op."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Handle) -> None:
         super().__init__()
         self._inner = inner
 
-    def poll(self):
+    def poll(self) -> bool:
         return self._inner.poll()
 
-    def wait(self):
+    def wait(self) -> Any:
         return self._inner.wait()[0]
 
 
@@ -40,21 +49,27 @@ _one = _Single
 
 
 # -- allreduce ---------------------------------------------------------------------------
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=_GLOBAL):
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
+                     name: str | None = None, op: str | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return _one(reduce_ops.allreduce_async_([tensor], resolve_op(average, op), prescale_factor,
                                             postscale_factor, name, process_set,
                                             deferrable=True))
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=_GLOBAL):
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None,
+                    name: str | None = None, op: str | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor,
                             postscale_factor, process_set)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=_GLOBAL):
+def allreduce_(tensor: torch.Tensor, average: bool | None = None,
+               name: str | None = None, op: str | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet | None = _GLOBAL) -> torch.Tensor:
     return reduce_ops.allreduce_async_([tensor], resolve_op(average, op), prescale_factor,
                                        postscale_factor, name, process_set).wait()[0]
 
@@ -75,36 +90,48 @@ class _Allreduce(torch.autograd.Function):
         return (None,) * 5 + tuple(reduced)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=_GLOBAL):
+def allreduce(tensor: torch.Tensor, average: bool | None = None,
+              name: str | None = None, compression: Compressor = Compression.none,
+              op: str | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0,
+              process_set: ProcessSet | None = _GLOBAL) -> torch.Tensor:
     op = resolve_op(average, op)
     wire, ctx = compression.compress(tensor)
     (out,) = _Allreduce.apply(op, prescale_factor, postscale_factor, name, process_set, wire)
     return compression.decompress(out, ctx)
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=_GLOBAL):
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: str | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return reduce_ops.allreduce_async_(list(tensors), resolve_op(average, op), prescale_factor,
                                        postscale_factor, name, process_set,
                                        kind="grouped_allreduce", deferrable=True)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=_GLOBAL):
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op,
                                     prescale_factor, postscale_factor, process_set)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=_GLOBAL):
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: str | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet | None = _GLOBAL) -> list[torch.Tensor]:
     return reduce_ops.allreduce_async_(list(tensors), resolve_op(average, op), prescale_factor,
                                        postscale_factor, name, process_set,
                                        kind="grouped_allreduce").wait()
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=_GLOBAL):
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Compressor = Compression.none,
+                      op: str | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = _GLOBAL) -> list[torch.Tensor]:
     op = resolve_op(average, op)
     wires = [compression.compress(t) for t in tensors]
     outs = _Allreduce.apply(op, prescale_factor, postscale_factor, name, process_set,
@@ -123,7 +150,8 @@ class _Sparse(Handle):
         return all(part.poll() for part in self._parts)
 
 
-def sparse_allreduce_async(tensor, name, op, process_set=_GLOBAL):
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: str | None,
+                           process_set: ProcessSet | None = _GLOBAL) -> Handle:
     """Allreduce of a sparse tensor: allgather indices and values (named ``<name>.indices``
     and ``<name>.values``, as in Horovod), then coalesce, which sums repeated indices.
     ``synchronize(handle)`` and ``handle()`` both give the result."""
@@ -145,16 +173,18 @@ def sparse_allreduce_async(tensor, name, op, process_set=_GLOBAL):
     return _Sparse(indices, values, finish)
 
 
-def _part(name, what):
+def _part(name: str | None, what: str) -> str | None:
     return None if name is None else f"{name}.{what}"
 
 
 # -- allgather ---------------------------------------------------------------------------
-def allgather_async(tensor, name=None, process_set=_GLOBAL):
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return _one(move_ops.allgather_async([tensor], name, process_set, deferrable=True))
 
 
-def grouped_allgather_async(tensors, name=None, process_set=_GLOBAL):
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return move_ops.allgather_async(list(tensors), name, process_set, deferrable=True)
 
 
@@ -182,25 +212,30 @@ class _Allgather(torch.autograd.Function):
         return (None, None) + tuple(out)
 
 
-def allgather(tensor, name=None, process_set=_GLOBAL):
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet | None = _GLOBAL) -> torch.Tensor:
     return _Allgather.apply(name, process_set, tensor)[0]
 
 
-def grouped_allgather(tensors, name=None, process_set=_GLOBAL):
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet | None = _GLOBAL) -> list[torch.Tensor]:
     return list(_Allgather.apply(name, process_set, *tensors))
 
 
 # -- broadcast ---------------------------------------------------------------------------
-def broadcast_async_(tensor, root_rank, name=None, process_set=_GLOBAL):
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return move_ops.broadcast_async_(tensor, root_rank, name, process_set, deferrable=True)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=_GLOBAL):
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet | None = _GLOBAL) -> Handle:
     return move_ops.broadcast_async_(tensor.detach().clone(), root_rank, name, process_set,
                                      deferrable=True)
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=_GLOBAL):
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = _GLOBAL) -> torch.Tensor:
     return move_ops.broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
@@ -220,12 +255,14 @@ class _Broadcast(torch.autograd.Function):
         return averaged, None, None, None
 
 
-def broadcast(tensor, root_rank, name=None, process_set=_GLOBAL):
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet | None = _GLOBAL) -> torch.Tensor:
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 # -- alltoall ----------------------------------------------------------------------------
-def alltoall_async(tensor, splits=None, name=None, process_set=_GLOBAL):
+def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: str | None = None,
+                   process_set: ProcessSet | None = _GLOBAL) -> Handle:
     """synchronize() gives (output, received_splits), as in Horovod."""
     return move_ops.alltoall_async(tensor, splits, name, process_set, deferrable=True)
 
@@ -249,21 +286,25 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None, None
 
 
-def alltoall(tensor, splits=None, name=None, process_set=_GLOBAL):
+def alltoall(tensor: torch.Tensor, splits: Splits = None, name: str | None = None,
+             process_set: ProcessSet | None = _GLOBAL) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The rows for this rank from every rank; with ``splits``, also the received splits."""
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
 
 
 # -- reducescatter -----------------------------------------------------------------------
-def reducescatter_async(tensor, name=None, op=Average, process_set=_GLOBAL,
-                        prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str = Average,
+                        process_set: ProcessSet | None = _GLOBAL, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
     return _one(reduce_ops.reducescatter_async([tensor], op, prescale_factor, postscale_factor,
                                                name, process_set, deferrable=True))
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=_GLOBAL,
-                                prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: str = Average, process_set: ProcessSet | None = _GLOBAL,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
     return reduce_ops.reducescatter_async(list(tensors), op, prescale_factor, postscale_factor,
                                           name, process_set, deferrable=True)
 
@@ -285,15 +326,19 @@ class _Reducescatter(torch.autograd.Function):
         return (None,) * 5 + tuple(g * factor if factor != 1.0 else g for g in gathered)
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=_GLOBAL, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: Compressor = Compression.none, op: str = Average,
+                  process_set: ProcessSet | None = _GLOBAL, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     wire, ctx = compression.compress(tensor)
     (out,) = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set, wire)
     return compression.decompress(out, ctx)
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=_GLOBAL, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Compressor = Compression.none, op: str = Average,
+                          process_set: ProcessSet | None = _GLOBAL, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
     wires = [compression.compress(t) for t in tensors]
     outs = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set,
                                 *[w for w, _ in wires])

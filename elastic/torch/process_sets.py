@@ -12,7 +12,11 @@ callback). A set given as a rule, ``ProcessSet(lambda size: [...])``, is
 rebuilt from the rule at its first use in each new round.
 """
 
+from __future__ import annotations
+
 import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
@@ -22,6 +26,15 @@ from elastic.worker import collectives, runtime
 from elastic.worker.groups import form_groups
 from elastic.worker.signed_store import SignedStore
 
+if TYPE_CHECKING:
+    import torch
+
+    from elastic.worker.groups import TrackedGroup
+    from elastic.worker.membership import Membership
+    from elastic.worker.runtime import Worker
+
+Rule = Callable[[int], Iterable[int]]     # the job's size -> the set's ranks
+
 
 class ProcessSetStaleError(ElasticError):
     """A process set defined by ranks was used after a membership change."""
@@ -30,32 +43,37 @@ class ProcessSetStaleError(ElasticError):
 class ProcessSet:
     """A subset of ranks, given as a list of ranks or as a rule ``size -> ranks``."""
 
-    def __init__(self, ranks_or_rule):
-        self._rule = ranks_or_rule if callable(ranks_or_rule) else None
-        self._fixed = None if self._rule else _checked_ranks(ranks_or_rule)
-        self.process_set_id = None
-        self._round = None         # the round the current binding belongs to
+    def __init__(self, ranks_or_rule: Iterable[int] | Rule) -> None:
+        self._rule: Rule | None = None
+        self._fixed: list[int] | None = None     # exactly one of the two is set
+        if callable(ranks_or_rule):
+            self._rule = ranks_or_rule
+        else:
+            self._fixed = _checked_ranks(ranks_or_rule)
+        self.process_set_id: int | None = None
+        self._round: int | None = None         # the round the current binding belongs to
         self._ranks = self._fixed
-        self._groups = None        # (cpu group, device group) for this round
+        self._groups: tuple[TrackedGroup, TrackedGroup] | None = None   # (cpu, device) this round
 
     @property
-    def ranks(self):
+    def ranks(self) -> list[int]:
         if self._rule is not None:
             return _checked_ranks(self._rule(runtime.size()))
-        return list(self._fixed)
+        return list(self._fixed or ())
 
-    def size(self):
+    def size(self) -> int:
         return len(self.ranks)
 
-    def rank(self):
+    def rank(self) -> int:
         """This process's rank inside the set, or -1 when it is not a member."""
         ranks = self.ranks
         return ranks.index(runtime.rank()) if runtime.rank() in ranks else -1
 
-    def included(self):
+    def included(self) -> bool:
         return runtime.rank() in self.ranks
 
-    def reduce_async(self, tensor, op):
+    def reduce_async(self, tensor: torch.Tensor,
+                     op: str) -> tuple[Any, torch.Tensor, str, int, Worker] | None:
         """DistributedOptimizer's bucket allreduce over this set, without the pre-op check
         (every member launches the same buckets in the same order). Returns a handle for
         ``collectives.synchronize``, or None on a rank outside the set, whose gradients
@@ -65,12 +83,14 @@ class ProcessSet:
         if w is None:
             return None
         if self._rule is None and self.process_set_id is not None and self._round != w.round_id:
-            bind(self)                       # raises ProcessSetStaleError
+            _bind_in(w, self)                # raises ProcessSetStaleError
         if not self.included():
             return None
-        binding = bind(self)
+        binding = _bind_in(w, self)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM if op == collectives.Average else _REDUCE_OPS[op]
+        # torch's stubs type reduceOp as ReduceOp; it takes the RedOpType members (as in C++).
+        opts.reduceOp = dist.ReduceOp.SUM if op == collectives.Average \
+            else _REDUCE_OPS[op]  # type: ignore[assignment]
         group = binding.group_for(tensor)
         try:
             work = group.allreduce([tensor], opts)
@@ -79,7 +99,7 @@ class ProcessSet:
         w.progress.issue()
         return (work, tensor, op, binding.size, w)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         what = "rule" if self._rule else self._fixed
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={what})"
 
@@ -87,24 +107,25 @@ class ProcessSet:
 class _GlobalProcessSet(ProcessSet):
     """Every rank of the current round; its groups are the round's own."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(lambda size: list(range(size)))
         self.process_set_id = 0
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "global_process_set"
 
 
 global_process_set = _GlobalProcessSet()
-_registered = {0: global_process_set}
+_registered: dict[int, ProcessSet] = {0: global_process_set}
 _REDUCE_OPS = {collectives.Sum: dist.ReduceOp.SUM, collectives.Min: dist.ReduceOp.MIN,
                collectives.Max: dist.ReduceOp.MAX, collectives.Product: dist.ReduceOp.PRODUCT}
 _next_id = [1]
-_generations: dict = {}   # (round, ranks) -> times built, so a re-added set gets a fresh prefix
+# (round, ranks) -> times built, so a re-added set gets a fresh prefix
+_generations: dict[tuple[int, tuple[int, ...]], int] = {}
 _lock = threading.Lock()
 
 
-def _checked_ranks(ranks):
+def _checked_ranks(ranks: Iterable[int]) -> list[int]:
     try:
         out = [int(r) for r in ranks]
     except TypeError:
@@ -114,7 +135,7 @@ def _checked_ranks(ranks):
     return sorted(out)
 
 
-def add_process_set(process_set):
+def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
     """Register a ProcessSet (or a list of ranks); returns the registered ProcessSet."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None:
@@ -137,7 +158,7 @@ def add_process_set(process_set):
     return ps
 
 
-def remove_process_set(process_set):
+def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a set; returns False when it was not registered (or is the global one)."""
     if process_set is global_process_set or process_set.process_set_id is None:
         return False
@@ -164,33 +185,46 @@ def _retire_past_rounds(w):
 class Binding:
     """What an op needs to run on a set in the current round."""
 
-    def __init__(self, worker, ranks, cpu_group, device_group):
+    def __init__(self, worker: Worker, ranks: list[int], cpu_group: TrackedGroup,
+                 device_group: TrackedGroup) -> None:
         self.worker = worker
         self.ranks = ranks
         self.size = len(ranks)
-        self.rank = ranks.index(worker.membership.rank) if worker else 0
+        self.rank = ranks.index(_in_round(worker)[0].rank) if worker else 0
         self.cpu_group = cpu_group
         self.device_group = device_group
 
-    def group_for(self, tensor):
+    def group_for(self, tensor: torch.Tensor) -> TrackedGroup:
         return self.device_group if tensor.is_cuda else self.cpu_group
 
-    def global_rank(self, set_rank):
+    def global_rank(self, set_rank: int) -> int:
         return self.ranks[set_rank]
 
 
-def bind(process_set=None):
+def bind(process_set: ProcessSet | None = None) -> Binding | None:
     """Resolve ``process_set`` for the current round; None means standalone (size 1)."""
     ps = global_process_set if process_set is None else process_set
     if not isinstance(ps, ProcessSet):
         raise ValueError(f"process_set must be a ProcessSet, not {type(ps).__name__}")
     w = runtime.ensure_joined()
-    if w is None:
-        return None
+    return None if w is None else _bind_in(w, ps)
+
+
+def _in_round(w: Worker) -> tuple[Membership, TrackedGroup, TrackedGroup]:
+    """``w``'s place in its round and the round's (CPU, device) groups. They are set once
+    ensure_joined() has returned ``w``: the run loop clears them only between rounds."""
+    member, cpu, device = w.membership, w.cpu_group, w.device_group
+    assert member is not None and cpu is not None and device is not None, "not in a round"
+    return member, cpu, device
+
+
+def _bind_in(w: Worker, ps: ProcessSet) -> Binding:
+    """``ps`` in the round ``w`` has joined."""
+    member, cpu, device = _in_round(w)
     if ps is global_process_set:
         if len(_registered) > 1:
             _retire_past_rounds(w)
-        return Binding(w, list(range(w.membership.size)), w.cpu_group, w.device_group)
+        return Binding(w, list(range(member.size)), cpu, device)
     if ps.process_set_id is None:
         raise ValueError(f"{ps!r} is not registered: call add_process_set() first")
     if ps._rule is None and ps._round != w.round_id:
@@ -201,8 +235,8 @@ def bind(process_set=None):
             "Remove it and add it again in a reset callback, or define it by a rule: "
             "ProcessSet(lambda size: [...])")
     ranks = ps.ranks
-    if w.membership.rank not in ranks:
-        raise ValueError(f"rank {w.membership.rank} is not in {ps!r}; only its members may "
+    if member.rank not in ranks:
+        raise ValueError(f"rank {member.rank} is not in {ps!r}; only its members may "
                          "run its collectives")
     if ps._groups is None or ps._round != w.round_id or ps._ranks != ranks:
         _retire(w, ps)
@@ -224,7 +258,8 @@ def _build(w, ranks):
                        f"process set {ranks} in round {w.round_id}")
 
 
-def init(comm=None, process_sets=None):
+def init(comm: None = None,
+         process_sets: Iterable[ProcessSet] | Literal["dynamic"] | None = None) -> None:
     """Horovod's ``init(comm=None, process_sets=None)``.
 
     There is no MPI here, so ``comm`` must be None. ``process_sets`` (a list of

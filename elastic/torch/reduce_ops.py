@@ -6,6 +6,11 @@ their own dtype; Average is the sum scaled by 1/size after any postscale.
 gloo cannot reduce int16, so int16 travels as int32 and comes back as int16.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +21,10 @@ from elastic.torch.negotiation import ALLREDUCE, JOIN, REDUCESCATTER, record
 from elastic.torch.process_sets import bind
 from elastic.worker.collectives import Average, Max, Min, Product, Sum
 
+if TYPE_CHECKING:
+    from elastic.torch.negotiation import Outcome
+    from elastic.torch.process_sets import Binding, ProcessSet
+
 Adasum = "adasum"
 OP_CODES = {Average: 1, Sum: 2, Min: 3, Max: 4, Product: 5, Adasum: adasum.OP_CODE}
 _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
@@ -23,7 +32,7 @@ _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.Redu
 _WIRE = {torch.int16: torch.int32}
 
 
-def resolve_op(average, op):
+def resolve_op(average: bool | None, op: str | None) -> str:
     """Horovod's ``average=`` (deprecated) and ``op=`` arguments, to one op."""
     if op is not None and average is not None:
         raise ValueError("give op= or the deprecated average=, not both")
@@ -35,7 +44,7 @@ def resolve_op(average, op):
     return op
 
 
-def scale_(tensor, factor):
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """Multiply in place by ``factor`` without changing the dtype (Horovod's rules)."""
     if factor == 1.0:
         return tensor
@@ -60,8 +69,10 @@ def _identity_like(tensor, op):
     return torch.full_like(tensor, info.max if op == Min else info.min)
 
 
-def allreduce_async_(tensors, op, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                     process_set=None, kind="allreduce", deferrable=False):
+def allreduce_async_(tensors: list[torch.Tensor], op: str, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, name: str | None = None,
+                     process_set: ProcessSet | None = None, kind: str = "allreduce",
+                     deferrable: bool = False) -> Handle:
     """Reduce ``tensors`` (a list) in place; the handle's result is the list.
 
     ``deferrable``: an async op, which may wait for peers that issue its name later.
@@ -126,7 +137,7 @@ def _describe_for_joined(binding, outcome, tensors):
     move_ops.broadcast_object_on(binding, desc, outcome.active[0])
 
 
-def join_allreduce(binding, outcome):
+def join_allreduce(binding: Binding, outcome: Outcome) -> None:
     """A joined rank's part in the others' allreduce: identity values of their shapes."""
     desc = move_ops.broadcast_object_on(binding, None, outcome.active[0])
     code = int(outcome.records[outcome.active[0]][negotiation.OP])
@@ -142,13 +153,14 @@ def join_allreduce(binding, outcome):
         collectives.wait(work, "join", binding.worker)
 
 
-def split_sizes(dim0, size):
+def split_sizes(dim0: int, size: int) -> list[int]:
     """Horovod's reducescatter split of the first dimension: lower ranks get the extra rows."""
     return [dim0 // size + (1 if r < dim0 % size else 0) for r in range(size)]
 
 
-def reducescatter_async(tensors, op, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                        process_set=None, deferrable=False):
+def reducescatter_async(tensors: Sequence[torch.Tensor], op: str, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, name: str | None = None,
+                        process_set: ProcessSet | None = None, deferrable: bool = False) -> Handle:
     """Reduce, then keep this rank's share of the first dimension; result: list of tensors.
 
     It moves as many bytes as an allreduce (gloo has no uneven reduce-scatter).
@@ -189,7 +201,7 @@ def reducescatter_async(tensors, op, prescale_factor=1.0, postscale_factor=1.0, 
                           deferrable=deferrable)
 
 
-def join(device=-1, process_set=None):
+def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     """Wait until every rank has joined, taking part in the others' allreduces meanwhile.
 
     A joined rank contributes identity values (0 for Sum and Average, so Average

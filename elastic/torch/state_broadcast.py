@@ -9,12 +9,14 @@ Parameters with ``requires_grad=False`` keep ``grad`` None. Unlike Horovod we
 take no dummy ``step()`` (with weight decay it would move the weights).
 """
 
+from __future__ import annotations
+
 import torch
 
 from elastic.worker import collectives
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank the root's optimizer state (hyper-parameters included)."""
     if not optimizer.state:
         for group in optimizer.param_groups:

@@ -7,11 +7,13 @@ reductions it needs across ranks; weight and bias gradients stay local, for
 DistributedOptimizer to average like any other gradient.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 
 from elastic.torch import move_ops, reduce_ops
-from elastic.torch.process_sets import global_process_set
+from elastic.torch.process_sets import ProcessSet, global_process_set
 from elastic.worker.collectives import Sum
 
 
@@ -67,8 +69,9 @@ class _SyncBatchNormFn(torch.autograd.Function):
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Horovod's SyncBatchNorm (any input of 2 or more dimensions, channels in dim 1)."""
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, process_set=global_process_set):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_set: ProcessSet | None = global_process_set) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
@@ -76,23 +79,31 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def forward(self, input):
+    def _track_batch(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Count this batch: (running_mean, running_var, the momentum to update them
+        with), or None when this forward leaves the running statistics alone."""
+        if not (self.training and self.track_running_stats):
+            return None
+        tracked, running_mean, running_var = (self.num_batches_tracked, self.running_mean,
+                                              self.running_var)
+        assert tracked is not None and running_mean is not None and running_var is not None, \
+            "track_running_stats=True registers them"
+        tracked.add_(1)
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(tracked)
+        return running_mean, running_var, momentum
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self.training and self.track_running_stats:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, False, 0.0, self.eps)
-        momentum = self.momentum
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            if momentum is None:
-                momentum = 1.0 / float(self.num_batches_tracked)
+        running = self._track_batch()
         mean, var, total, m2 = _merged_stats(input, 1, self.process_set)
-        if self.training and self.track_running_stats:
+        if running is not None:
+            running_mean, running_var, momentum = running
             with torch.no_grad():
                 unbiased = m2 / max(total - 1, 1)
-                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype),
-                                                          alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype),
-                                                         alpha=momentum)
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         return _SyncBatchNormFn.apply(input, self.weight, self.bias, mean.detach(),
                                       var.detach(), self.eps, total, self.process_set)
