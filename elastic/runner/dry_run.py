@@ -19,7 +19,7 @@ def plan_lines(config):
         hosts = {}
         lines.append("hosts: the agents that join (elasticrun --join); none yet")
     else:
-        hosts = config.discovery.run_once()
+        hosts = config.discovery.discover()
         lines.append(f"hosts: {len(hosts)} with {sum(hosts.values())} slots")
         for host, slots in hosts.items():
             how = "local" if launcher.is_local(host, names) else "ssh"
