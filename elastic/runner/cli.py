@@ -6,12 +6,15 @@ is split there before our flags are parsed, so ``python train.py --n 3`` never
 reaches argparse (whose prefix matching would take ``--n`` for one of ours).
 """
 
+from __future__ import annotations
+
 import argparse
 import logging
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 
 from elastic import __version__, protocol
 from elastic.runner import config_file, dry_run, horovod_flags, repeats, serve
@@ -23,7 +26,7 @@ from elastic.runner.job_config import JobConfig, check_command, output_ranks
 from elastic.usage import Parser, UsageError
 
 
-def build_parser():
+def build_parser() -> Parser:
     p = Parser(prog="elasticrun", description="Run an elastic PyTorch data-parallel job.",
                 usage="elasticrun [OPTIONS] COMMAND [ARGS ...]")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -154,7 +157,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     return JobConfig.from_options(vars(args))
 
 
-def no_checkpoint_warning(job_env, environ, serving):
+def no_checkpoint_warning(job_env: Mapping[str, str], environ: Mapping[str, str],
+                          serving: bool) -> str | None:
     """The one warning for a job without durable checkpoints (None when it has them)."""
     if job_env.get(protocol.ENV_CHECKPOINT_DIR) or environ.get(protocol.ENV_CHECKPOINT_DIR):
         return None
@@ -163,7 +167,7 @@ def no_checkpoint_warning(job_env, environ, serving):
             " loses it (docs/checkpoints.md)")
 
 
-def split_command(parser, argv):
+def split_command(parser: Parser, argv: list[str]) -> tuple[list[str], list[str]]:
     """``(our flags, the training command)``: the command starts at the first word
     that is neither a flag of ours nor a flag's value, or after ``--``. A flag we
     do not know stays on our side, so argparse names it."""
@@ -187,7 +191,7 @@ def split_command(parser, argv):
     return argv, []
 
 
-def parse(argv):
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """The parsed arguments; ``args.command`` is the training command, untouched."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -203,7 +207,7 @@ def parse(argv):
     return args
 
 
-def log_format(args):
+def log_format(args: argparse.Namespace) -> str:
     return "elasticrun: %(message)s" if args.log_hide_timestamp else \
         "elasticrun: %(asctime)s %(message)s"
 
@@ -222,7 +226,7 @@ def _agent_main(args):
     return run_agent(config)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse(argv)
         if args.version:

@@ -12,7 +12,15 @@ given on the command line wins (as with horovodrun). Two kinds of keys:
   ``blacklist-cooldown-range: [10, 100]``, ``verbose: true``).
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 from elastic.exceptions import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.usage import Flag
 
 # (section, key) -> the horovodrun flag it stands for
 HOROVOD_KEYS = {
@@ -45,7 +53,7 @@ class ConfigFileError(ElasticError):
     """The file cannot be used; str() is the one line the user sees."""
 
 
-def load(path):
+def load(path: str) -> dict[Any, Any]:
     """The file's top-level mapping."""
     try:
         import yaml
@@ -67,10 +75,10 @@ def load(path):
     return value
 
 
-def to_argv(path, options):
+def to_argv(path: str, options: Mapping[str, Flag]) -> list[str]:
     """The flags the file stands for. ``options`` maps each option string to its
     usage.Flag (``parser.flags``)."""
-    argv = []
+    argv: list[str] = []
     for key, value in load(path).items():
         key = str(key)
         if isinstance(value, dict):

@@ -148,8 +148,8 @@ class ScriptDiscovery(Discovery):
     a grandchild holding our pipe open must not hang the driver.
     """
 
-    def __init__(self, path, default_slots: int | None = None,
-                 timeout: float | None = 30.0):
+    def __init__(self, path: str | os.PathLike[str], default_slots: int | None = None,
+                 timeout: float | None = 30.0) -> None:
         self.path = os.fspath(path)
         self.default_slots = default_slots
         _check_default_slots(default_slots)

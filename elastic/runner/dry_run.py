@@ -6,11 +6,18 @@ the control store would listen and why, and the settings that shape the job.
 Nothing is started and no port is opened.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from elastic.runner import binding, launcher
 from elastic.runner.planner import Candidate, plan_round
 
+if TYPE_CHECKING:
+    from elastic.runner.job_config import JobConfig
 
-def plan_lines(config):
+
+def plan_lines(config: JobConfig) -> list[str]:
     """The lines of the plan for ``config`` (a driver.JobConfig)."""
     names = launcher.local_names()
     serving = config.backend is not None

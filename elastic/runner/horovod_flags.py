@@ -7,7 +7,11 @@ prints one warning line and the job goes on, so scripts written for horovodrun
 start unchanged.
 """
 
+from __future__ import annotations
+
+import argparse
 import math
+from collections.abc import Mapping
 
 from elastic.runner.discovery import DiscoveryError, parse_host_list
 from elastic.runner.stalls import StallTimeout
@@ -64,7 +68,7 @@ FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"   # bytes; read by elastic/training/opti
 START_TIMEOUT_ENV = "HOROVOD_START_TIMEOUT"
 
 
-def add_to(parser):
+def add_to(parser: argparse.ArgumentParser) -> None:
     """Add --hostfile, --start-timeout, --fusion-threshold-mb and the ignored flags."""
     parser.add_argument("--hostfile", "-hostfile", dest="hostfile", metavar="FILE",
                         help="hosts file as horovodrun reads it: one 'host slots=N' (or "
@@ -98,7 +102,7 @@ def add_to(parser):
                                help="ignored")
 
 
-def warnings_for(args, environ):
+def warnings_for(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
     """One line per ignored flag given and per meaningless HOROVOD_* variable set."""
     lines = []
     for flag, (_nargs, why) in IGNORED_FLAGS.items():
@@ -111,7 +115,7 @@ def warnings_for(args, environ):
     return lines
 
 
-def read_hostfile(path):
+def read_hostfile(path: str) -> dict[str, int]:
     """``{host: slots}`` from a horovodrun hosts file; DiscoveryError says what is wrong."""
     try:
         with open(path) as f:
@@ -142,7 +146,7 @@ def read_hostfile(path):
         raise DiscoveryError(f"--hostfile {path}: {str(exc).replace('-H: ', '')}") from None
 
 
-def start_timeout(args, environ):
+def start_timeout(args: argparse.Namespace, environ: Mapping[str, str]) -> float | None:
     """--start-timeout, else $HOROVOD_START_TIMEOUT, else None (the driver's default)."""
     value = args.start_timeout
     if value is None and environ.get(START_TIMEOUT_ENV, "") != "":
@@ -156,7 +160,7 @@ def start_timeout(args, environ):
     return value
 
 
-def stall_timeout(args):
+def stall_timeout(args: argparse.Namespace) -> StallTimeout:
     """--stall-timeout as horovodrun's stall-check flags adjust it (a StallTimeout)."""
     seconds = args.stall_timeout
     shutdown = args.stall_check_shutdown_time_seconds
@@ -174,7 +178,7 @@ def stall_timeout(args):
     return StallTimeout(seconds, warn if warn else None)
 
 
-def check_build():
+def check_build() -> list[str]:
     """The lines ``--check-build`` prints: what this installation can run."""
     import torch
     import torch.distributed as dist
@@ -194,7 +198,7 @@ def check_build():
             f"    {box(False)} DDL", f"    {box(False)} CCL"]
 
 
-def fusion_env(args):
+def fusion_env(args: argparse.Namespace) -> dict[str, str]:
     """The workers' HOROVOD_FUSION_THRESHOLD (bytes) for --fusion-threshold-mb, or {}."""
     if args.fusion_threshold_mb is None:
         return {}

@@ -132,6 +132,7 @@ class JobConfig:
                 resume.choice(os.environ[protocol.ENV_CHECKPOINT_UNUSABLE])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        discovery: DiscoverySource
         try:
             if serving is not None:
                 discovery = serving[0]
@@ -177,6 +178,8 @@ class JobConfig:
                 os.makedirs(args.tensorboard, exist_ok=True)
             except OSError as exc:
                 raise UsageError(f"--tensorboard {args.tensorboard!r}: {exc.strerror}") from None
+        served: dict[str, Any] = ({"backend": serving[0], "secret": serving[1],
+                                   "port": serving[2]} if serving else {})
         return cls(
             command=command, metrics_port=args.metrics_port, tensorboard=args.tensorboard,
             discovery=discovery, np=np, min_np=min_np, max_np=args.max_np,
@@ -192,7 +195,7 @@ class JobConfig:
                 **({protocol.ENV_CHECKPOINT_UNUSABLE: args.on_unusable_checkpoint}
                    if args.on_unusable_checkpoint else {})},
             start_timeout=start_timeout, stragglers=straggler_rule, state_dir=args.state_dir,
-            **({"backend": serving[0], "secret": serving[1], "port": serving[2]} if serving else {}),
+            **served,
         )
 
 

@@ -25,12 +25,16 @@ host has, and assumes the package sits at the same path there (a shared
 filesystem, as Horovod assumes).
 """
 
+from __future__ import annotations
+
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 # The same names as elastic.control (a test checks that they agree).
 SECRET_ENV = "ELASTIC_SECRET"
@@ -51,7 +55,7 @@ class SpecError(Exception):
     pass
 
 
-def read_spec(fd=0):
+def read_spec(fd: int = 0) -> dict[str, Any]:
     """Read the first line from ``fd`` and parse it; bytes after it are ignored."""
     buf = bytearray()
     while True:
@@ -78,13 +82,14 @@ def read_spec(fd=0):
     return spec
 
 
-def ssh_client_address(environ=None):
+def ssh_client_address(environ: Mapping[str, str] | None = None) -> str:
     """The address the driver's ssh connection came from, per sshd's SSH_CONNECTION."""
     fields = (environ if environ is not None else os.environ).get("SSH_CONNECTION", "").split()
     return fields[0] if fields else ""
 
 
-def build_env(spec, secret_fd, environ=None):
+def build_env(spec: Mapping[str, Any], secret_fd: int,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if environ is None else environ)
     env.update(spec.get("env") or {})
     env.pop(SECRET_ENV, None)
@@ -97,7 +102,7 @@ def build_env(spec, secret_fd, environ=None):
     return env
 
 
-def secret_pipe(secret):
+def secret_pipe(secret: bytes) -> int:
     """The read end of a pipe that holds ``secret`` (bytes) and then ends."""
     read_end, write_end = os.pipe()
     try:
@@ -147,7 +152,7 @@ def _fail(message):
     return BOOTSTRAP_FAILED
 
 
-def main():
+def main() -> int:
     try:
         spec = read_spec()
     except (SpecError, OSError) as exc:

@@ -4,9 +4,13 @@ Each function turns parsed flags into what the driver or the agent needs, or
 raises ValueError with the one line the user sees.
 """
 
+from __future__ import annotations
+
+import argparse
 import ipaddress
 import math
 import socket
+from collections.abc import Sequence
 
 from elastic.auth import weak_secret
 from elastic.runner.agent import AgentConfig, AgentFailed, read_secret_file
@@ -16,7 +20,7 @@ from elastic.runner.discovery import DiscoveryError, parse_host_list
 SERVE_ONLY = ("hosts", "discovery_script")
 
 
-def read_secret(path):
+def read_secret(path: str | None) -> str:
     """The job secret as text (both sides sign with its UTF-8 bytes)."""
     if not path:
         raise ValueError("--serve and --join need --secret-file FILE (the job secret)")
@@ -34,13 +38,14 @@ def read_secret(path):
                          "-hex 32)") from None
 
 
-def check_port(port, flag="--port"):
+def check_port(port: int | None, flag: str = "--port") -> int:
     if port is None or not 0 <= port < 65536:
         raise ValueError(f"{flag} {port} is not a port number")
     return port
 
 
-def serve_settings(args, command):
+def serve_settings(args: argparse.Namespace, command: Sequence[str],
+                   ) -> tuple[AgentHub, str, int]:
     """(hub, secret, port) for a driver that admits joining agents."""
     if args.hosts or args.discovery_script:
         raise ValueError("--serve takes its hosts from the agents that join it; "
@@ -55,7 +60,7 @@ def serve_settings(args, command):
     return AgentHub(timeout_s=args.worker_timeout), secret, port
 
 
-def parse_address(text):
+def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port)."""
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -69,7 +74,7 @@ def parse_address(text):
     return host, check_port(int(port), "--join port")
 
 
-def agent_config(args, command):
+def agent_config(args: argparse.Namespace, command: list[str]) -> AgentConfig:
     """AgentConfig for ``elasticrun --join HOST:PORT ... COMMAND``."""
     if args.serve:
         raise ValueError("give either --serve (the driver) or --join (an agent), not both")

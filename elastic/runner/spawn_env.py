@@ -9,7 +9,10 @@ So names that steer a loader, an interpreter or a shell are dropped from request
 ending in ``*``). The agent sets what workers need itself (PYTHONUNBUFFERED).
 """
 
+from __future__ import annotations
+
 import os
+from collections.abc import Callable, Iterable, Mapping
 
 from elastic.protocol import ENV_AGENT_ALLOW_ENV, ENV_SECRET, ENV_SECRET_FD, ENV_SECRET_FILE
 
@@ -21,22 +24,24 @@ DENIED_NAMES = frozenset({"BASH_ENV", "ENV", "PATH", "IFS", "SHELLOPTS", "BASHOP
                           "TMPDIR", "HOME", "SHELL", "CDPATH", "PROMPT_COMMAND"})
 
 
-def allow_list(environ=None):
+def allow_list(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The agent's explicit allow-list (names, or prefixes ending in *)."""
     text = (os.environ if environ is None else environ).get(ENV_ALLOW, "")
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def allowed(name, allow=()):
+def allowed(name: str, allow: Iterable[str] = ()) -> bool:
     for pattern in allow:
         if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
             return True
     return name not in DENIED_NAMES and not name.startswith(DENIED_PREFIXES)
 
 
-def split(requested, allow=()):
+def split(requested: Mapping[object, object], allow: Iterable[str] = (),
+          ) -> tuple[dict[str, str], list[str]]:
     """({name: value} the agent applies, [names it drops]) of a spawn request's env."""
-    kept, dropped = {}, []
+    kept: dict[str, str] = {}
+    dropped: list[str] = []
     for name, value in requested.items():
         if not isinstance(name, str) or not name or "=" in name or "\0" in name:
             continue
@@ -50,7 +55,8 @@ def split(requested, allow=()):
 _WARNED: set[str] = set()   # names this agent already warned about
 
 
-def request_env(requested, warned, warn):
+def request_env(requested: object, warned: set[str], warn: Callable[[str], None],
+                ) -> dict[str, str]:
     """What of a spawn request's env the agent applies; one ``warn`` per dropped name
     (``warned`` remembers them)."""
     kept, dropped = split(requested if isinstance(requested, dict) else {}, allow_list())
@@ -61,7 +67,8 @@ def request_env(requested, warned, warn):
     return kept
 
 
-def worker_env(requested, warn, own, base=None):
+def worker_env(requested: object, warn: Callable[[str], None], own: Mapping[str, str],
+               base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a worker an agent starts: the agent's own (``base``, default
     os.environ) without any secret, what the request may set, then ``own``."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
