@@ -3,9 +3,11 @@
 One round of 4 workers (common.launch). An FSDP2 MLP with AdamW is trained a few
 steps, then: the bytes each rank holds (its live shard, its commit and its
 redundancy copy) against the full state; commits with redundancy 1 and 0 taking
-turns; a reshard 3 -> 4 (ranks 0-2 hold a 3-way layout, rank 3 is a newcomer)
-through reshard.reshard, against the bytes it moved over the link bandwidth
-measured in the same run (gloo send/recv of one buffer between two ranks).
+turns; a reshard 3 -> 4 (ranks 0-2 hold a 3-way layout with their redundancy copies,
+as ShardedState does, rank 3 is a newcomer; and again without copies) through
+reshard.reshard, against the most bytes one rank received over the link bandwidth
+measured in the same run, samples taking turns (gloo send/recv of that many bytes
+between two ranks).
 Writes $BENCH_OUT/result.<rank>.json. Usage: fsdp_bench.py REPS.
 """
 
@@ -27,11 +29,12 @@ from elastic.worker import runtime  # noqa: E402
 WIDTH, DEPTH = 1024, 4
 
 
-def build(mesh):
+def build(mesh, width=WIDTH):
+    """The FSDP2 MLP of both fsdp rows (DEPTH x Linear(width, width)) and its AdamW."""
     torch.manual_seed(0)
     layers = []
     for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -53,34 +56,34 @@ def live_bytes(state):
     return sum(t.numel() * t.element_size() for t in sharded.values()), full
 
 
-def timed_reshard(group, me, n, meta, dest):
-    """3 -> n: ranks 0..2 hold their shard of a 3-way layout, the others none; the
-    parameters' rows land in the model in place, as ShardedState.sync does."""
+def timed_reshard(group, me, n, meta, dest, redundancy):
+    """3 -> n: ranks 0..2 hold what ShardedState holds after a commit at 3 workers (their
+    shard of a 3-way layout and copies of their ``redundancy`` predecessors'), the others
+    nothing; the parameters' rows land in the model in place, as ShardedState.sync does.
+    Each rank's seconds from a common start to its own shard being complete."""
     held = {}
     if me < 3:
-        flats = reshard.empty_shard(meta, 3, me)
-        held = {me: reshard.shard_views(meta, 3, me, flats)}
-    pieces = shard_plan.plan(meta, 3, {i: [i] for i in range(3)}, n)
+        for i in [me] + shard_plan.copies_kept(me, 3, redundancy):
+            held[i] = reshard.shard_views(meta, 3, i, reshard.empty_shard(meta, 3, i))
+    holders = {i: [i] + shard_plan.copy_targets(i, 3, redundancy) for i in range(3)}
+    pieces = shard_plan.plan(meta, 3, holders, n)
     elastic.barrier()
     t0 = time.perf_counter()
     _out, got, sent = reshard.reshard(group, me, pieces, meta, 3, n, held, dest)
-    elastic.barrier()
     return time.perf_counter() - t0, got, sent
 
 
-def bandwidth(group, me, nbytes, reps):
+def link_seconds(group, me, nbytes):
+    """One gloo send/recv of ``nbytes`` from rank 0 to rank 1, between barriers."""
     buf = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(reps):
-        elastic.barrier()
-        t0 = time.perf_counter()
-        if me == 0:
-            group.send([buf], 1, 7).wait()
-        elif me == 1:
-            group.recv([buf], 0, 7).wait()
-        elastic.barrier()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+    elastic.barrier()
+    t0 = time.perf_counter()
+    if me == 0:
+        group.send([buf], 1, 7).wait()
+    elif me == 1:
+        group.recv([buf], 0, 7).wait()
+    elastic.barrier()
+    return time.perf_counter() - t0
 
 
 def main():
@@ -107,10 +110,20 @@ def main():
     group = runtime.worker().cpu_group
     from elastic.state import fsdp_parts
     dest = fsdp_parts.local_params(state.model)
-    moves = [timed_reshard(group, me, n, gen.meta, dest) for _ in range(max(3, reps // 2))]
+    # Reshard and bandwidth samples take turns, so that all see the same load.
+    moves, bare, links = [], [], []
+    most = 1
+    for _ in range(max(7, reps // 2)):
+        moves.append(timed_reshard(group, me, n, gen.meta, dest, 1))
+        bare.append(timed_reshard(group, me, n, gen.meta, dest, 0))
+        if len(moves) == 1:       # the baseline: most bytes one rank received, rank 0 -> 1
+            most = max(elastic.allgather_object(moves[0][1]))
+        links.append(link_seconds(group, me, most))
     result["reshard"] = [t for t, _g, _s in moves]
     result["reshard_received"], result["reshard_sent"] = moves[0][1], moves[0][2]
-    result["bandwidth"] = bandwidth(group, me, max(1, moves[0][1]), max(3, reps // 2))
+    result["reshard_bare"] = [t for t, _g, _s in bare]
+    result["reshard_bare_received"], result["reshard_bare_sent"] = bare[0][1], bare[0][2]
+    result["bandwidth"] = most / statistics.median(links)
     with open(os.path.join(os.environ["BENCH_OUT"], f"result.{me}.json"), "w") as f:
         json.dump(result, f)
 

@@ -6,14 +6,15 @@ argv: steps=N commit_every=K warmup=W
 Writes $BENCH_OUT/steady.json on rank 0: the timed steps' seconds (after the warm-up).
 """
 
+import functools
 import json
 import os
 import sys
 import time
 
+import fsdp_bench  # noqa: I001 - benchmarks/ is sys.path[0]: the script's own folder
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 import elastic
 
@@ -21,20 +22,10 @@ ARGS = dict(a.split("=", 1) for a in sys.argv[1:])
 STEPS = int(ARGS.get("steps", "60"))
 COMMIT_EVERY = int(ARGS.get("commit_every", "10"))
 WARMUP = int(ARGS.get("warmup", "10"))
-WIDTH, DEPTH, BATCH = 512, 4, 32
+WIDTH, BATCH = 512, 32
 
 
-def build(mesh):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+build = functools.partial(fsdp_bench.build, width=WIDTH)     # the reshard row's MLP, narrower
 
 
 def step(model, optimizer, x):

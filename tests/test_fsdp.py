@@ -59,6 +59,12 @@ def test_copies_form_a_ring_and_choose_version_needs_every_shard():
     assert shard_plan.choose_version([[(5, 4, [0, 3]), (6, 4, [0, 3])], [(5, 4, [1, 2])]]) \
         == (5, 4)
     assert shard_plan.choose_version([[], []]) is None
+    # Ranks 1 and 2 of 3 leave (copies: 0 holds {0, 2}, 1 {1, 0}, 2 {2, 1}): shard 1
+    # is held by leavers only and goes from rank 1 to the one stayer; nothing else moves.
+    leaving = [(False, [0, 2]), (True, [0, 1]), (True, [1, 2])]
+    assert shard_plan.hand_off(leaving) == [(1, 1, 0)]
+    assert shard_plan.hand_off([(False, [0]), (False, [1])]) == []
+    assert shard_plan.hand_off([(True, [0]), (True, [1])]) == []
     with pytest.raises(ShardsLost, match=r"shard\(s\) \[1, 2\]"):
         shard_plan.choose_version([[(5, 4, [0, 3])], [(5, 4, [3])]])
 
@@ -214,6 +220,30 @@ def test_losing_more_shards_than_copied_without_a_checkpoint_stops_with_one_line
     assert "Traceback" not in out, out[-4000:]
     assert max(r["step"] for r in job.steps()) == 1          # nothing trained after the loss
     assert not list(job.out.glob("final.*.json"))
+
+
+def test_removing_more_workers_than_copied_hands_their_shards_off_first(fsdp_jobs, tmp_path):
+    """Redundancy 1, no checkpoint: removing the host of 2 of 3 workers at once (3 -> 1)
+    is more than one copy covers, but the leavers are alive at the commit where the round
+    re-forms: they hand the shards no stayer holds to the survivor before they go. The
+    survivor trains on from memory alone and ends where the fixed 4-worker run does."""
+    job = Job(tmp_path, ["-np", "3", "--min-np", "1"], script=FSDP_JOB,
+              hosts=["localhost:1", "127.0.0.1:2"],
+              env={"FSDP_STEPS": str(STEPS), "FSDP_HOLD": "3:1", "ELASTIC_SHARD_REDUNDANCY": "1"})
+    job.start()
+    job.wait_step(3, size=3)
+    job.set_hosts(["localhost:1"])
+    assert job.finish() == 0, job.output()[-4000:]
+    assert sizes_in_order(job.steps()) == [3, 1]
+    assert "no surviving worker" not in job.output(), job.output()[-4000:]
+    after = [r for r in job.steps() if r["size"] == 1]
+    assert after and min(r["step"] for r in after) == 4       # no committed step lost
+    assert all(r["handed_off"] >= 1 for r in after)
+    a, b = finals(job), finals(fsdp_jobs[0])
+    assert a["batches"] == b["batches"]
+    for key in ("params", "moments"):
+        got, want = flat(a[key]), flat(b[key])
+        assert float((got - want).norm() / want.norm()) < 1e-5, key
 
 
 @pytest.mark.slow

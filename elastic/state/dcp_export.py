@@ -2,7 +2,7 @@
 
     python -m elastic.state.dcp_export CHECKPOINT_DIR OUT_DIR
 
-Our shard files are torch.save archives of flat per-dtype buffers, which DCP cannot
+Our shard files are content-addressed blobs of flat per-dtype rows, which DCP cannot
 read. This writes the newest whole commit (or the commit folder given) as a DCP
 checkpoint of ``{"model": ..., "optim": ...}`` in the layout of
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
@@ -40,10 +40,11 @@ class ExportError(ElasticError):
 def full_state(folder: str, n: int) -> dict[str, Any]:
     """{"model": {name: tensor}, "optim": {"state": ..., "param_groups": ...}} of the
     commit in ``folder`` (``n`` shard files), the shards concatenated back."""
-    files = [torch.load(os.path.join(folder, f"shard{i}.pt"), weights_only=False)
-             for i in range(n)]
-    meta = files[0]["meta"]
-    parts = torch.load(io.BytesIO(files[0]["rest"]), weights_only=False)["parts"]
+    files = [shard_files.load_shard(folder, i) for i in range(n)]
+    meta, pickled, _flats = files[0]
+    if pickled is None:
+        raise ExportError(f"{folder}: shard 0 names no replicated part")
+    parts = torch.load(io.BytesIO(pickled), weights_only=False)["parts"]
     full = {}
     for key, shape, _dtype in meta:
         pieces = []
@@ -51,7 +52,7 @@ def full_state(folder: str, n: int) -> dict[str, Any]:
             layout, _sizes = shard_plan.shard_layout(meta, n, i)
             d, offset, start, stop = layout[key]
             numel = (stop - start) * shard_plan.row_numel(shape)
-            pieces.append(f["flats"][d][offset: offset + numel].view(
+            pieces.append(f[2][d][offset: offset + numel].view(
                 (stop - start,) + tuple(shape[1:])))
         full[key] = torch.cat(pieces).clone()
     model = dict(parts["model"])
@@ -76,7 +77,7 @@ def export(source: str, out: str) -> tuple[int, int]:
         found = [c for c in shard_files.whole(head) if os.path.basename(c[2]) == name]
     if not found:
         raise ExportError(f"{source}: no whole sharded commit there (a folder "
-                          "v<version>-n<world> with every shard<i>.pt)")
+                          "v<version>-n<world> with every shard<i>.json)")
     version, n, folder = found[0]
     try:
         state = full_state(folder, n)

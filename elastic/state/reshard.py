@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from elastic.state.transfer import PointToPoint
 
 COPY_TAG = 1 << 16      # redundancy copies; reshard messages use small tags (piece index)
+HAND_OFF_TAG = 1 << 17  # shards a leaving rank hands off: + 16 * shard + dtype index
 
 
 def _dtype(name):
@@ -68,6 +69,31 @@ def exchange_copies(group: PointToPoint, me: int, n: int, degree: int, meta: Met
     for work in works:
         work.wait()
     return kept, sent
+
+
+def hand_off(group: PointToPoint, me: int, moves: Iterable[tuple[int, int, int]], meta: Meta,
+             n: int, shards: Mapping[int, Mapping[str, torch.Tensor]],
+             ) -> tuple[dict[int, dict[str, torch.Tensor]], int]:
+    """Carry out shard_plan.hand_off's ``moves`` [(shard, src, dst)] of a commit of ``n``
+    shards; ``shards`` {index: flats} this rank holds. Returns {index: flats} received
+    and bytes sent."""
+    works: list = []
+    got: dict[int, dict[str, torch.Tensor]] = {}
+    sent = 0
+    for i, src, dst in moves:
+        if src == me:
+            for t, d in enumerate(sorted(shards[i])):
+                if shards[i][d].numel():
+                    works.append(group.send([shards[i][d]], dst, HAND_OFF_TAG + 16 * i + t))
+                    sent += shards[i][d].numel() * shards[i][d].element_size()
+        elif dst == me:
+            got[i] = empty_shard(meta, n, i)
+            for t, d in enumerate(sorted(got[i])):
+                if got[i][d].numel():
+                    works.append(group.recv([got[i][d]], src, HAND_OFF_TAG + 16 * i + t))
+    for work in works:
+        work.wait()
+    return got, sent
 
 
 def reshard(group: PointToPoint | None, me: int, pieces: Iterable[Piece], meta: Meta, old_n: int,

@@ -83,6 +83,29 @@ def copy_targets(rank: int, n: int, degree: int) -> list[int]:
     return [(rank + d) % n for d in range(1, min(degree, n - 1) + 1)]
 
 
+def hand_off(held: Sequence[tuple[bool, Iterable[int]]]) -> list[tuple[int, int, int]]:
+    """The shards that leaving ranks must hand to staying ones before they go, given per
+    rank (leaving?, [shard indices held]): [(shard, src, dst)]. Each shard no stayer
+    holds goes from its lowest holder to the stayer given the fewest so far (ties: lowest
+    rank). Nothing when nobody leaves or nobody stays."""
+    stayers = [r for r, (leaving, _s) in enumerate(held) if not leaving]
+    if len(stayers) == len(held) or not stayers:
+        return []
+    holders: dict[int, list[int]] = {}
+    for r, (_leaving, shards) in enumerate(held):
+        for i in shards:
+            holders.setdefault(i, []).append(r)
+    given = {r: 0 for r in stayers}
+    moves = []
+    for i in sorted(holders):
+        if any(r in given for r in holders[i]):
+            continue
+        dst = min(stayers, key=lambda r: (given[r], r))
+        given[dst] += 1
+        moves.append((i, min(holders[i]), dst))
+    return moves
+
+
 def choose_version(holdings: Iterable[Iterable[tuple[int, int, Iterable[int]]]],
                    ) -> tuple[int, int] | None:
     """The commit to resume from, given per new rank [(version, n, shards held)]:

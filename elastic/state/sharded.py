@@ -109,7 +109,8 @@ class ShardedState(State):
         self._built_for: object = None    # the round group the model was built on
         self._gens: list[Generation] = []    # at most two, oldest first
         self.stats: dict[str, Any] = {"reshard_received": 0, "reshard_sent": 0, "copies_sent": 0,
-                      "reshard_s": 0.0, "resumed_from": None, "builds": 0}
+                      "reshard_s": 0.0, "resumed_from": None, "builds": 0,
+                      "handed_off": 0, "hand_off_sent": 0}
 
     # -- what a commit holds --------------------------------------------------------
     def _objects(self):
@@ -146,6 +147,8 @@ class ShardedState(State):
         if w is not None:
             check = w.agree_on_commit()
         self._promote(gen)
+        if w is not None and check.reforms and not check.stopping:
+            self._hand_off(w, check, gen)
         if self._files is not None:
             me = _rank_size()[0]
             self._files.write(gen.version, gen.n, me, gen.meta, gen.shards[me], gen.rest)
@@ -156,6 +159,22 @@ class ShardedState(State):
                 w.progress.durable = max(w.progress.durable, self._files.durable)
             w.progress.timed("commit", time.perf_counter() - started)
             w.act_on_commit(check, self._version)
+
+    def _hand_off(self, w: Any, check: Any, gen: Generation) -> None:
+        """Before the round re-forms: ranks that leave now (SIGTERM, or not in the new
+        round) are alive, so each shard that only leavers hold goes to a stayer first,
+        whatever the redundancy. The next sync then finds every shard held."""
+        me, _n = _rank_size()
+        held = collectives.allgather_object((w.leaves_at(check), sorted(gen.shards)))
+        moves = shard_plan.hand_off(held)
+        if not moves:
+            return
+        got, sent = run_blocking(
+            lambda: reshard.hand_off(w.cpu_group, me, moves, gen.meta, gen.n, gen.shards),
+            "shard hand-off", w)
+        gen.shards.update(got)
+        self.stats["handed_off"] += len(got)
+        self.stats["hand_off_sent"] += sent
 
     def save(self) -> None:
         """Commit the live state again as the current version (no collective check)."""

@@ -162,6 +162,20 @@ class Worker(RoundLifeCycle):
             raise HostsUpdatedInterrupt()
         return check
 
+    def leaves_at(self, check: CommitCheck) -> bool:
+        """Whether this worker leaves the job at the commit that agreed on ``check``: it
+        got SIGTERM, or the round it re-forms into (already published) does not name it.
+        A plan not readable yet counts as staying."""
+        if check.stopping or not check.reforms:
+            return False
+        if self._leave_flagged:
+            return True
+        if not check.pending_round:
+            return False
+        header = self.control.get(Keys.plan(check.pending_round))
+        return header is not None and \
+            not control.RoundPlan.from_json(header).contains(self.worker_id)
+
     def check_commit(self, commit: int) -> CommitCheck:
         """Agree on the commit numbered ``commit`` and act on it (see act_on_commit)."""
         return self.act_on_commit(self.agree_on_commit(), commit)

@@ -89,7 +89,8 @@ def main():
                               "round": w.round_id if w else 0,
                               "worker": WID, "builds": state.stats["builds"],
                               "held": state.held_bytes(),
-                              "reshard_received": state.stats["reshard_received"]}) + "\n")
+                              "reshard_received": state.stats["reshard_received"],
+                              "handed_off": state.stats["handed_off"]}) + "\n")
         state.commit()
 
     def hold():
