@@ -29,12 +29,20 @@ the round without them, and the driver starts new ones on its host.
 The decisions are the pure functions below; Adoption only keeps their state.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import logging
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from elastic.protocol import ControlError, Doorbell, Keys
-from elastic.runner.decisions import MemberIds
+from elastic.runner.decisions import Job, MemberIds
 from elastic.runner.records import WorkerRecord
+
+if TYPE_CHECKING:
+    from elastic.control_store import ControlStore
+    from elastic.runner.interfaces import LauncherBackend, WorkerHandle
 
 log = logging.getLogger("elasticrun")
 ADOPTION_WINDOW_S = 3.0
@@ -43,7 +51,7 @@ STRAY_LOOK_S = 0.5          # how often the announcements and their heartbeats a
 MAX_STRAYS = 4096           # bounds what names rung by an outsider can cost
 
 
-def round_floor(values, floor=0):
+def round_floor(values: Iterable[object], floor: int = 0) -> int:
     """The newest round that any of ``values`` (registrations, beats) names."""
     best = floor
     for value in values:
@@ -56,15 +64,16 @@ def round_floor(values, floor=0):
     return best
 
 
-def next_worker_after(current, worker_ids):
+def next_worker_after(current: int, worker_ids: Iterable[str]) -> int:
     """A next worker id that collides with none of ``worker_ids``."""
     numbers = [int(w) for w in worker_ids if str(w).isdigit()]
     return max([current] + [n + 1 for n in numbers])
 
 
-def free_slots(taken, count):
+def free_slots(taken: Collection[int], count: int) -> list[int]:
     """The ``count`` lowest slot numbers not in ``taken``."""
-    slots, slot = [], 0
+    slots: list[int] = []
+    slot = 0
     while len(slots) < count:
         if slot not in taken:
             slots.append(slot)
@@ -72,7 +81,8 @@ def free_slots(taken, count):
     return slots
 
 
-def window_over(first_at, now, window_s=ADOPTION_WINDOW_S, awaited=(), wait_s=None):
+def window_over(first_at: float | None, now: float, window_s: float = ADOPTION_WINDOW_S,
+                awaited: Collection[str] = (), wait_s: float | None = None) -> bool:
     """Whether the adopted workers may form a round: ``window_s`` after the first one came
     back, and once no worker is ``awaited`` (announced, its agent not back), or in any
     case ``wait_s`` after the first one came back."""
@@ -88,16 +98,16 @@ class Strays:
     agent). Names come from an unsealed doorbell, so only a sealed announcement
     (``adopt``) counts, and there are at most MAX_STRAYS of them."""
 
-    def __init__(self, silent_s=STRAY_SILENT_S):
+    def __init__(self, silent_s: float = STRAY_SILENT_S) -> None:
         self.silent_s = silent_s
-        self.beats = {}               # worker id -> (last beat seen, when it last moved)
+        self.beats: dict[str, tuple[Any, float]] = {}   # worker id -> (last beat seen, when it moved)
 
-    def announced(self, worker_id, value, now):
+    def announced(self, worker_id: str, value: object, now: float) -> None:
         if isinstance(value, dict) and value.get("adopt") is True and \
                 worker_id not in self.beats and len(self.beats) < MAX_STRAYS:
             self.beats[worker_id] = (None, now)
 
-    def beat(self, worker_id, value, now):
+    def beat(self, worker_id: str, value: object, now: float) -> None:
         if worker_id not in self.beats:
             return
         seen = value.get("beat") if isinstance(value, dict) else None
@@ -105,7 +115,7 @@ class Strays:
         if seen is not None and seen != last:
             self.beats[worker_id] = (seen, now)
 
-    def awaited(self, claimed, now):
+    def awaited(self, claimed: Collection[str], now: float) -> set[str]:
         """Those still awaited: not ``claimed`` (known or ended), heartbeat moving."""
         for wid in [w for w, (_, moved) in self.beats.items()
                     if w in claimed or now - moved > self.silent_s]:
@@ -113,7 +123,7 @@ class Strays:
         return set(self.beats)
 
 
-def with_floor(job, floor, adopted=()):
+def with_floor(job: Job, floor: int, adopted: Iterable[str] = ()) -> Job:
     """``job`` whose next round comes after ``floor``, with the ``adopted`` workers
     counted as that round's members: they hold the training state (only before this
     driver's first round)."""
@@ -129,32 +139,36 @@ def with_floor(job, floor, adopted=()):
 class Adoption:
     """Which workers were adopted, and which wait for the window to pass."""
 
-    def __init__(self, window_s=ADOPTION_WINDOW_S, wait_s=None):
+    def __init__(self, window_s: float = ADOPTION_WINDOW_S, wait_s: float | None = None) -> None:
         self.window_s = window_s
         self.wait_s = wait_s          # longest wait for an announced worker's agent
-        self.first_at = None
-        self.waiting = set()          # adopted, not yet seen registered
-        self.held = set()             # adopted and registered: released with the window
+        self.first_at: float | None = None
+        self.waiting: set[str] = set()          # adopted, not yet seen registered
+        self.held: set[str] = set()             # adopted and registered: released with the window
         self.count = 0
-        self.pending = []             # handed over by the hub, host not discovered yet
+        # handed over by the hub, host not discovered yet
+        self.pending: list[tuple[str, str, WorkerHandle | None]] = []
         self.floor = 0                # the newest round --state-dir remembers
-        self.ended = set()            # ids of workers that exited while the driver was away
+        self.ended: set[str] = set()            # ids of workers that exited while the driver was away
         self.strays = Strays()
-        self._bell = None             # our own reader of the registrations' doorbell
-        self._looked = None
+        self._bell: Doorbell | None = None    # our own reader of the registrations' doorbell
+        self._looked: float | None = None
         self._told = False
 
-    def settled(self):
+    def settled(self) -> bool:
         """Every live worker handed over was adopted and released into a round (or none
         was handed over)."""
         return not (self.pending or self.held or self.waiting)
 
-    def take(self, backend, workers, job, now, hosts):
+    def take(self, backend: LauncherBackend | None, workers: Mapping[str, WorkerRecord], job: Job,
+             now: float, hosts: Mapping[str, int]) -> tuple[list[WorkerRecord], Job]:
         """New records for the workers ``backend`` (the agent hub) hands over, once
         ``hosts`` (discovered: host -> slots) lists their host, and the job with its next
         worker id past theirs. Before that the policy would stop them as unwanted."""
         self.pending += backend.take_adopted() if backend is not None else []
-        records, by_host, later = [], {}, []
+        records: list[WorkerRecord] = []
+        by_host: dict[str, list[tuple[str, WorkerHandle]]] = {}
+        later: list[tuple[str, str, WorkerHandle | None]] = []
         ended = [wid for wid, _, handle in self.pending if handle is None]
         self.ended.update(ended)
         if ended:      # workers that exited while the driver was away: their ids stay used
@@ -181,7 +195,8 @@ class Adoption:
                      ", ".join(f"{r.worker_id} on {r.host}" for r in records))
         return records, job
 
-    def release(self, found, now, job, control, workers):
+    def release(self, found: Iterable[str], now: float, job: Job, control: ControlStore,
+                workers: Mapping[str, WorkerRecord]) -> tuple[set[str], Job]:
         """Of the workers ``found`` registered: those the driver may count as ready now
         (adopted ones once the window passed), and the job with its round floor."""
         self.held &= set(workers)           # one that exited meanwhile is not held

@@ -19,6 +19,8 @@ driver it is leaving, forwards SIGTERM to its workers, waits up to
 ``stop_timeout`` for them, and exits.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 import os
@@ -27,7 +29,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 
 from elastic import protocol
 from elastic.exceptions import ElasticError
@@ -61,7 +65,7 @@ class AgentConfig:
     driver_host: str
     driver_port: int
     secret_file: str
-    command: list
+    command: list[str]
     host_name: str
     slots: int = 1
     connect_timeout: float = 60.0
@@ -71,7 +75,7 @@ class AgentConfig:
     driver_grace: float = DEFAULT_DRIVER_GRACE_S   # keep the workers this long without a driver
 
 
-def read_secret_file(path):
+def read_secret_file(path: str) -> bytes:
     """The job secret from ``path``; AgentFailed with one line when it is unusable."""
     try:
         with open(path, "rb") as f:
@@ -84,28 +88,28 @@ def read_secret_file(path):
 
 
 class Agent:
-    def __init__(self, cfg):
+    def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.secret = read_secret_file(cfg.secret_file)
         self.outbox = Outbox()
         self.sink = ForwardingSink(cfg.output_dir, self.outbox, cfg.quiet)
-        self.workers = {}
-        self.index = None
+        self.workers: dict[str, launcher.WorkerProcess] = {}
+        self.index: str | None = None
         self.beat_seq = 0
         self.received = 0
         self.sent = 0
         self.acked = 0             # reports the driver has read (their keys are gone)
         self.draining = False
-        self.drain_deadline = None
+        self.drain_deadline: float | None = None
         self.heard_at = time.monotonic()   # the driver's last sealed ack of a beat
-        self.ended = []                    # ids of this agent's workers that exited
-        self.codes = {}                    # ... and their exit codes (runner/outage.py)
-        self.unread = {}                   # ended id -> report it went in (0: not sent yet)
+        self.ended: list[str] = []         # ids of this agent's workers that exited
+        self.codes: dict[str, int] = {}    # ... and their exit codes (runner/outage.py)
+        self.unread: dict[str, int] = {}   # ended id -> report it went in (0: not sent yet)
         self.acked_beat = 0
-        self._signals = []
+        self._signals: list[int] = []
 
     # -- joining --------------------------------------------------------------------
-    def join(self):
+    def join(self) -> None:
         where = f"{self.cfg.driver_host}:{self.cfg.driver_port}"
         deadline = time.monotonic() + self.cfg.connect_timeout
         while not port_open(self.cfg.driver_host, self.cfg.driver_port):
@@ -175,7 +179,7 @@ class Agent:
             time.sleep(TICK_S)
 
     # -- running --------------------------------------------------------------------
-    def serve(self):
+    def serve(self) -> int:
         """Until the driver says the job is over (0), or is lost, or we drained."""
         last_beat = 0.0
         while True:
@@ -195,7 +199,9 @@ class Agent:
                 self._report()
             except (RuntimeError, ControlError, OSError):
                 self._wait_for_driver()
-            if self.draining and (not self.workers or time.monotonic() > self.drain_deadline):
+            deadline = self.drain_deadline         # set when draining began
+            if self.draining and (not self.workers or deadline is None
+                                  or time.monotonic() > deadline):
                 left = len(self.workers)
                 self._stop_all(signal.SIGKILL)
                 self._reap()
@@ -352,7 +358,7 @@ class Agent:
                 if worker is not None:
                     worker.kill(int(message.get("signal", signal.SIGKILL)))
 
-    def spawn_worker(self, worker_id, job_env):
+    def spawn_worker(self, worker_id: str, job_env: Mapping[str, str]) -> None:
         env = spawn_env.worker_env(job_env, log.warning, {
             "PYTHONUNBUFFERED": "1", protocol.ENV_ADDR: self.cfg.driver_host,
             protocol.ENV_SECRET: protocol.worker_key(self.secret),     # never the job secret
@@ -406,7 +412,7 @@ class Agent:
             time.sleep(0.02)
 
     # -- signals --------------------------------------------------------------------
-    def on_signal(self, signum, _frame):
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._signals.append(signum)
 
     def _handle_signals(self, now):
@@ -429,7 +435,7 @@ class Agent:
                 worker.kill(signal.SIGTERM)
 
 
-def port_open(host, port, timeout=2.0):
+def port_open(host: str, port: int, timeout: float = 2.0) -> bool:
     """True when something accepts TCP connections at host:port."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -438,7 +444,7 @@ def port_open(host, port, timeout=2.0):
         return False
 
 
-def run_agent(cfg):
+def run_agent(cfg: AgentConfig) -> int:
     """Join and serve; returns the exit code. Errors print one line, never a traceback."""
     try:
         agent = Agent(cfg)

@@ -21,18 +21,26 @@ thread, so an outsider flooding the store with keys slows joining down, never
 the polling of agents already in.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import logging
 import secrets
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from elastic import protocol
 from elastic.protocol import AgentKeys, ControlStore
 from elastic.runner.discovery import Discovery
 from elastic.runner.outage import Back, blamed
+
+if TYPE_CHECKING:
+    from elastic.runner.interfaces import WorkerHandle
+    from elastic.runner.launcher import OutputSink
 
 log = logging.getLogger("elasticrun")
 POLL_S = 0.1
@@ -55,33 +63,33 @@ class _Agent:
     sent: int = 0          # requests written
     acked: int = 0         # requests the agent has read (their keys are gone)
     received: int = 0      # reports read
-    workers: dict = field(default_factory=dict)
+    workers: dict[str, AgentWorker] = field(default_factory=dict)
 
 
 class AgentWorker:
     """The driver's handle on a worker that an agent runs (same methods as a
     launcher.WorkerProcess)."""
 
-    def __init__(self, hub, agent, worker_id):
+    def __init__(self, hub: AgentHub, agent: _Agent, worker_id: str) -> None:
         self._hub = hub
         self._agent = agent
         self.worker_id = worker_id
         self.host = agent.host
-        self.code = None
-        self.lost_after = None
+        self.code: int | None = None
+        self.lost_after: float | None = None
 
-    def poll(self):
+    def poll(self) -> int | None:
         return self.code
 
-    def kill(self, sig=signal.SIGKILL):
+    def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.code is None:
             self._hub.request(self._agent, {"op": "kill", "worker_id": self.worker_id,
                                             "signal": int(sig)})
 
-    def join_output(self, timeout=2.0):
+    def join_output(self, timeout: float = 2.0) -> None:
         """Output before the exit arrived in earlier (or the same) reports: nothing to wait for."""
 
-    def describe_exit(self, code):
+    def describe_exit(self, code: int) -> str:
         if self.lost_after is not None:
             return (f" (its agent on {self.host} was lost: no heartbeat for "
                     f"{self.lost_after:.0f} s)")
@@ -91,22 +99,24 @@ class AgentWorker:
 class AgentHub(Discovery):
     """Discovery of, and launching through, the agents that joined this driver."""
 
-    def __init__(self, timeout_s=30.0, sink=None):
+    def __init__(self, timeout_s: float = 30.0, sink: OutputSink | None = None) -> None:
         self.timeout_s = timeout_s
         self.sink = sink
-        self._agents = {}          # name -> _Agent
-        self._pending = set()      # names listed whose registration is not answered yet
-        self._registrations = None
-        self._adopted = []         # (worker id, host, handle) of live workers agents brought
+        self._agents: dict[str, _Agent] = {}          # name -> _Agent
+        self._pending: set[str] = set()      # names listed whose registration is not answered yet
+        self._registrations: _Registrations | None = None
+        # (worker id, host, handle) of live workers agents brought
+        self._adopted: list[tuple[str, str, WorkerHandle | None]] = []
         self._back = Back()        # what agents reported about the time no driver ran
-        self._failed_away = []     # (worker id, host, code): failed, no driver read the exit
+        # (worker id, host, code): failed, no driver read the exit
+        self._failed_away: list[tuple[str, str, int]] = []
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._thread = None
-        self.control = None
+        self._thread: threading.Thread | None = None
+        self.control: ControlStore | None = None
 
     # -- wiring by the driver ---------------------------------------------------------
-    def attach(self, address, port, secret, sink):
+    def attach(self, address: str, port: int, secret: str, sink: OutputSink) -> None:
         """Start serving agents on the driver's store (the driver calls this once it listens)."""
         store = protocol.open_link(address, port, 30)
         self._secret = secret
@@ -120,7 +130,7 @@ class AgentHub(Discovery):
         self._thread = threading.Thread(target=self._run, name="elastic-agents", daemon=True)
         self._thread.start()
 
-    def close(self, code=0, wait_s=5.0):
+    def close(self, code: int = 0, wait_s: float = 5.0) -> None:
         """Tell every agent the job is over and give them a moment to see it
         (they exit cleanly instead of reporting a lost driver)."""
         self._stop.set()
@@ -142,17 +152,17 @@ class AgentHub(Discovery):
             pass
 
     # -- discovery ------------------------------------------------------------------
-    def discover(self):
+    def discover(self) -> dict[str, int]:
         with self._lock:
             return {a.host: a.slots for a in self._agents.values()
                     if not a.lost and not a.draining}
 
     # -- launcher backend -----------------------------------------------------------------
-    def owns(self, host):
+    def owns(self, host: str) -> bool:
         with self._lock:
             return any(a.host == host for a in self._agents.values())
 
-    def start(self, worker_id, host, env):
+    def start(self, worker_id: str, host: str, env: Mapping[str, str]) -> AgentWorker:
         """Ask ``host``'s agent to start a worker with the job part of ``env``."""
         with self._lock:
             agent = self._live_agent(host)
@@ -165,28 +175,30 @@ class AgentHub(Discovery):
             self.request(agent, {"op": "spawn", "worker_id": worker_id, "env": sent})
             return handle
 
-    def request(self, agent, message):
+    def request(self, agent: _Agent, message: dict[str, Any]) -> None:
         with self._lock:
             agent.sent += 1
             try:
-                self.control.put(AgentKeys.request(agent.index, agent.sent), message,
+                control = self.control
+                assert control is not None, "attach() comes first"
+                control.put(AgentKeys.request(agent.index, agent.sent), message,
                                  keep=True)    # healed until the agent says it read it
             except Exception as exc:  # noqa: BLE001 - our own store: only a shutdown fails
                 log.debug("cannot send a request to agent %s: %s", agent.host, exc)
 
-    def take_adopted(self):
+    def take_adopted(self) -> list[tuple[str, str, WorkerHandle | None]]:
         """Workers that agents still run from before this driver started (a restart):
         [(worker id, host, handle)], each once."""
         with self._lock:
             adopted, self._adopted = self._adopted, []
         return adopted
 
-    def outage_report(self):
+    def outage_report(self) -> Back:
         """What the agents registered so far said (outage.Back)."""
         with self._lock:
             return self._back
 
-    def take_failed_away(self):
+    def take_failed_away(self) -> list[tuple[str, str, int]]:
         """(worker id, host, code) of workers that failed while no driver read their exit
         (outage.blamed), each once."""
         with self._lock:

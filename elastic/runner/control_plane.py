@@ -1,15 +1,22 @@
 """The driver's side of the control store: where it listens, what it reads, and
 keeping its own values in place (elastic/auth.py says why values are sealed)."""
 
+from __future__ import annotations
+
 import collections
 import logging
 import queue
 import threading
 import time
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from elastic import protocol as control
 from elastic.protocol import ControlStore, Keys
 from elastic.runner import binding
+
+if TYPE_CHECKING:
+    from elastic.messages import Member
 
 log = logging.getLogger("elasticrun")
 HEALED_PER_S = 2048       # the driver's heals slow down when many values are kept
@@ -24,23 +31,23 @@ class Janitor(threading.Thread):
     connection, so a long job's store does not grow with every round and the event
     loop never waits on thousands of deletes."""
 
-    def __init__(self, address, port, secret):
+    def __init__(self, address: str, port: int, secret: bytes | str) -> None:
         super().__init__(daemon=True, name="elastic-janitor")
         self._address, self._port, self._secret = address, port, secret
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         self.deleted = 0
         self.start()
 
-    def drop(self, keys):
+    def drop(self, keys: Iterable[str]) -> None:
         self._queue.put(list(keys))
 
-    def close(self, timeout=5.0):
+    def close(self, timeout: float = 5.0) -> None:
         """Stop after the deletes asked for so far. A thread still inside a store
         call when the interpreter exits would abort the process (std::terminate)."""
         self._queue.put(None)
         self.join(timeout)
 
-    def run(self):
+    def run(self) -> None:
         try:
             store = ControlStore(control.open_link(self._address, self._port, 30), self._secret)
             while True:
@@ -57,7 +64,9 @@ class Janitor(threading.Thread):
 class DriverControl:
     """One store, bound only where the job needs it (binding.py)."""
 
-    def __init__(self, hosts, names, secret, network_interface=None, serving=False, port=0):
+    def __init__(self, hosts: Iterable[str], names: Collection[str] | None, secret: bytes | str,
+                 network_interface: str | None = None, serving: bool = False,
+                 port: int = 0) -> None:
         """OSError / RuntimeError: the store cannot listen."""
         self.binding = binding.choose(hosts, names, network_interface, serving=serving)
         self._server = control.listen(self.binding.address, 30, port=port)
@@ -66,43 +75,47 @@ class DriverControl:
         self._link = control.open_link(self.binding.local_connect_address(), self.port, 30,
                                        warn=log.warning)
         self.store = ControlStore(self._link, secret, warn=log.warning)
-        self._other_keys = []      # stores sealed with other keys (elasticctl's): healed too
+        # stores sealed with other keys (elasticctl's): healed too
+        self._other_keys: list[ControlStore] = []
         self._names = names
         self._healed_at = 0.0
-        self._unreachable_warned = set()
+        self._unreachable_warned: set[str] = set()
         self._announced = False
-        self._assembling = {}     # round id -> (member ids not arrived yet, all member ids)
-        self._history = collections.deque()    # (round id, member ids, reaped) of recent rounds
-        self._reaped = []          # workers reaped since the last publish
+        # round id -> (member ids not arrived yet, all member ids)
+        self._assembling: dict[int, tuple[set[str], list[str]]] = {}
+        # (round id, member ids, reaped) of recent rounds
+        self._history: collections.deque[tuple[int, list[str], list[str]]] = collections.deque()
+        self._reaped: list[str] = []          # workers reaped since the last publish
         self._registered = control.Doorbell(self.store, Keys.REGISTERED)
-        self._bells = {}           # round id -> Doorbell of its arrivals
-        self._full_looks = {}      # what was last looked at in full, and when
-        self._errors = {}          # round id -> (when, its failure reports) last read
+        self._bells: dict[int, control.Doorbell] = {}   # round id -> Doorbell of its arrivals
+        self._full_looks: dict[Any, float] = {}      # what was last looked at in full, and when
+        # round id -> (when, its failure reports) last read
+        self._errors: dict[int, tuple[float, dict[str, str]]] = {}
         self._janitor = Janitor(self.binding.local_connect_address(), self.port, secret)
 
-    def sealed_with(self, secret):
+    def sealed_with(self, secret: bytes | str) -> ControlStore:
         """Values sealed with another key than the workers' (elasticctl's,
         protocol.ctl_key), in that key's namespace, over the same connection."""
         store = ControlStore(self._link, secret, warn=log.warning)
         self._other_keys.append(store)
         return store
 
-    def close(self):
+    def close(self) -> None:
         """Stop the janitor; the store itself goes with the process."""
         self._janitor.close()
 
-    def describe(self):
+    def describe(self) -> str:
         return f"control store listening on {self.binding.address}:{self.port} " \
                f"({self.binding.reason})"
 
-    def announce(self):
+    def announce(self) -> None:
         """Log where the store listens, once (not before workers need it: a job that
         fails before starting any keeps its one error line)."""
         if not self._announced:
             self._announced = True
             log.info("%s", self.describe())
 
-    def heal(self, now):
+    def heal(self, now: float) -> None:
         """Rounds, plans and aborts an outsider destroyed are back within
         protocol.HEAL_EVERY_S (2 s while the 4,096 entries of a big round's members who
         have not arrived are kept too: each heal reads every kept value back)."""
@@ -111,20 +124,20 @@ class DriverControl:
             for store in (self.store, *self._other_keys):
                 store.heal()
 
-    def heartbeats(self, worker_ids):
+    def heartbeats(self, worker_ids: Sequence[str]) -> dict[str, int | None]:
         """{worker id: its latest sealed beat number, or None (forged, replayed, none yet)}."""
         values = self.store.get_many(Keys.heartbeat(w) for w in worker_ids)
         return {w: (int(v["beat"]) if v is not None else None)
                 for w, v in ((w, values[Keys.heartbeat(w)]) for w in worker_ids)}
 
-    def heartbeat_values(self, worker_ids):
+    def heartbeat_values(self, worker_ids: Sequence[str]) -> dict[str, Any]:
         """{worker id: its latest sealed beat (beat number and the training thread's
         progress, liveness.py), or None (forged, replayed, none yet)}."""
         values = self.store.get_many(Keys.heartbeat(w) for w in worker_ids)
         return {w: values[Keys.heartbeat(w)] for w in worker_ids}
 
     # -- rounds -------------------------------------------------------------------------
-    def publish(self, round_id, members):
+    def publish(self, round_id: int, members: Sequence[Member]) -> None:
         """Each member's entry first, then the header, then the latest round: a worker
         that sees the header finds its own entry there. Each is kept until its member
         arrives (it has read its entry then) or the round is over. An entry carries the
@@ -150,7 +163,7 @@ class DriverControl:
         self.store.forget(Keys.plan(round_id - 1))
         self.store.forget(Keys.assembled(round_id - ASSEMBLED_KEPT))
 
-    def assembly(self, round_id, now=None):
+    def assembly(self, round_id: int, now: float | None = None) -> int | None:
         """How many members of ``round_id`` have arrived; reads only the arrivals rung
         since the last look (every awaited one every FULL_LOOK_S), and says
         ``assembled`` on the round's key once all are in."""
@@ -169,7 +182,7 @@ class DriverControl:
         self._settle(round_id, True)
         return len(ids)
 
-    def abort(self, round_id):
+    def abort(self, round_id: int) -> None:
         self.store.put(Keys.abort(round_id), {"round": round_id}, keep=True)
         if round_id in self._assembling:
             self._settle(round_id, False)   # members waiting to assemble give up at once
@@ -192,13 +205,13 @@ class DriverControl:
                      Keys.failed(round_id, wid)]
         return keys
 
-    def worker_gone(self, worker_id):
+    def worker_gone(self, worker_id: str) -> None:
         """A worker's process exited and was reaped: its own keys go with the keys of
         the round published next (the progress line may still read them until then;
         a key deleted between a check and a read would stall that read)."""
         self._reaped.append(worker_id)
 
-    def ready(self, worker_ids, now=None):
+    def ready(self, worker_ids: Iterable[str], now: float | None = None) -> set[str]:
         """Those of ``worker_ids`` whose sealed registration is in the store (looking
         at the ones that rang, and at all of them every FULL_LOOK_S)."""
         found = self._verified(self._registered, set(worker_ids), Keys.ready, "ready", now)
@@ -222,7 +235,7 @@ class DriverControl:
             self._full_looks[look] = now
         return found
 
-    def failure_reports(self, round_id, member_ids):
+    def failure_reports(self, round_id: int, member_ids: Sequence[str]) -> dict[str, str]:
         """{worker id: its error text} of the round's sealed failure reports ({}: none).
         The doorbell is looked at each time; the members' reports, once it rang, at most
         every ERRORS_EVERY_S (a big round's are many reads)."""
@@ -242,11 +255,11 @@ class DriverControl:
             looked = self._errors[round_id]
         return looked[1]
 
-    def rang(self, round_ids):
+    def rang(self, round_ids: Iterable[int]) -> tuple[int, ...]:
         """The rounds among ``round_ids`` whose failure doorbell rang: one read each."""
         return tuple(r for r in round_ids if self.store.present(Keys.failures(r)))
 
-    def remote_address(self, host):
+    def remote_address(self, host: str) -> str | None:
         """The store address for workers on remote ``host`` (None: per host), warning
         once when the store listens where that host cannot reach it."""
         if not self.binding.reaches(host, self._names) and host not in self._unreachable_warned:

@@ -22,7 +22,7 @@ bring live workers, or the exits that say the job finished.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 WAIT, GO, FINISHED, CHECKPOINT, LOST = "wait", "go", "finished", "checkpoint", "lost"
@@ -81,7 +81,8 @@ def decide_outage(kept: Kept, back: Back, waited_s: float, wait_s: float) -> Ver
                          f"was {kept.commit}")
 
 
-def blamed(codes: Mapping, unread, hosts: Mapping) -> list:
+def blamed(codes: Mapping[str, int], unread: Collection[str], hosts: Mapping[str, str],
+           ) -> list[tuple[str, str, int]]:
     """(worker id, host, code) of the workers that failed while no driver read their exit:
     each counts as a failure of that worker when the driver comes back."""
     return [(wid, hosts[wid], code) for wid, code in sorted(codes.items())
