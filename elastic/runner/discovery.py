@@ -17,8 +17,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastic.exceptions import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.runner.interfaces import DiscoverySource
 
 _MAX_MESSAGE = 300
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
@@ -233,7 +237,7 @@ class BackgroundDiscovery:
     newest ``max_pending`` results are kept if the caller stops polling.
     """
 
-    def __init__(self, discoverer: Discovery, interval: float,
+    def __init__(self, discoverer: DiscoverySource, interval: float,
                  clock: Callable[[], float] = time.monotonic, max_pending: int = 256):
         if interval <= 0:
             raise ValueError(f"interval must be positive, got {interval!r}")

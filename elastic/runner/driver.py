@@ -7,6 +7,8 @@ round, abort one, blacklist a host, finish, fail). Discovery runs in its own
 thread and hands results over a queue, so a slow script never stalls the loop.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import logging
 import os
@@ -14,6 +16,7 @@ import secrets
 import signal
 import sys
 import time
+from types import FrameType
 
 from elastic import protocol as control
 from elastic.exceptions import ElasticError
@@ -33,6 +36,7 @@ from elastic.runner.decisions import (
     Job,
     Left,
     Notice,
+    Phase,
     Preempted,
     Publish,
     Removed,
@@ -66,7 +70,7 @@ class JobFailed(ElasticError):
 class Interrupted(ElasticError):
     """elasticrun got SIGINT or SIGTERM; its workers are stopped on the way out."""
 
-    def __init__(self, signum):
+    def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.exit_code = 128 + signum
 
@@ -88,12 +92,12 @@ class Driver:
         self._discovery_error = None
         self._local_names = launcher.local_names()
         self.events = EventLog(config.event_log)
-        self.stop_signal = None    # the first SIGTERM/SIGINT to elasticrun
+        self.stop_signal: int | None = None    # the first SIGTERM/SIGINT to elasticrun
         self._published_at = 0.0
-        self._settled_at = None    # when decide last ran and returned nothing (quiet ticks)
+        self._settled_at: float | None = None    # when decide last ran and returned nothing (quiet ticks)
         self._decided_version = -1
         self._newly_ready = 0
-        self._last_spawn_at = None
+        self._last_spawn_at: float | None = None
         self.quiet_ticks = 0
         self._unready: set[str] = set()   # live workers whose registration has not been seen
         self.adoption = Adoption(wait_s=config.worker_timeout)   # a restarted --serve adopts live workers
@@ -102,19 +106,20 @@ class Driver:
         self.outage = None         # a serving driver's verdict on its predecessor's absence
         self._away_exits: list[Exit] = []   # workers that failed while no driver read their exit
 
-    def request_stop(self, signum):
+    def request_stop(self, signum: int) -> None:
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
         if self.stop_signal is not None:
             raise Interrupted(signum)
         self.stop_signal = signum
 
     @property
-    def phase(self):
+    def phase(self) -> Phase:
         return self.job.phase
 
     # -- entry point ----------------------------------------------------------------
-    def run(self):
-        serving = self.cfg.backend is not None     # agents join from other hosts
+    def run(self) -> int:
+        backend = self.cfg.backend
+        serving = backend is not None               # agents join from other hosts
         if not serving:
             self._first_discovery()                 # the hosts decide where to listen
         try:
@@ -126,8 +131,8 @@ class Driver:
         self.store_port, self.control = self.plane.port, self.plane.store
         self.reporter = RoundReporter(self.events, self.control, self.cfg.start_warning)
         self.watch = Watch(self)                    # status, steering, metrics (elasticctl)
-        if serving:
-            self.cfg.backend.attach(self.plane.binding.local_connect_address(), self.store_port,
+        if backend is not None:
+            backend.attach(self.plane.binding.local_connect_address(), self.store_port,
                                     self.secret, self.sink)
             log.info("serving on port %d: waiting for agents (elasticrun --join)",
                      self.store_port)
@@ -472,15 +477,15 @@ class Driver:
         self.reporter.round_started(r, members, action.change, now)
 
 
-def install_signal_handlers(driver):
-    def handler(signum, _frame):
+def install_signal_handlers(driver: Driver) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         driver.request_stop(signum)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_job(config):
+def run_job(config: JobConfig) -> int:
     """Run a job; returns the process exit code. Errors print one line."""
     driver = Driver(config)
     install_signal_handlers(driver)

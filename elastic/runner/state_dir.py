@@ -18,14 +18,19 @@ atomically (write, fsync, rename) whenever it changes:
 The event log (``--event-log``) is appended to, so it needs no copy here.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import json
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from elastic.runner.decisions import (
+    Action,
     Finish,
     HostFailed,
+    Job,
     NoteCommit,
     Publish,
     RecordExit,
@@ -34,14 +39,20 @@ from elastic.runner.decisions import (
 )
 from elastic.runner.outage import Kept
 
+if TYPE_CHECKING:
+    from elastic.runner.adoption import Adoption
+    from elastic.runner.hosts import HostManager
+
 log = logging.getLogger("elasticrun")
 FILE = "driver-state.json"
+Saved = tuple[int, int, int, dict]   # decode: (round, next_worker, resets, blacklist)
 
 
 NOTED = (Publish, Spawn, HostFailed, NoteCommit, StartFinishing, RecordExit, Finish)
 
 
-def encode(job, hosts, now, kept=None, finished=False):
+def encode(job: Job, hosts: HostManager, now: float, kept: Kept | None = None,
+           finished: bool = False) -> dict[str, Any]:
     """The state a restarted driver needs, as a JSON-ready dict (pure). ``kept``: what
     the previous driver kept, still true until this one knows better."""
     kept = kept or Kept()
@@ -53,7 +64,7 @@ def encode(job, hosts, now, kept=None, finished=False):
             "finished": finished}
 
 
-def decode_kept(data):
+def decode_kept(data: object) -> Kept:
     """outage.Kept from ``encode``'s dict; what is missing or malformed reads as unknown."""
     if not isinstance(data, dict):
         return Kept()
@@ -71,7 +82,7 @@ def decode_kept(data):
                 final_codes=ids("final_codes", int), finished=data.get("finished") is True)
 
 
-def decode(data):
+def decode(data: object) -> Saved:
     """(round, next_worker, resets, blacklist) from ``encode``'s dict; zeros for what
     is missing or malformed (a damaged file never stops the driver)."""
     if not isinstance(data, dict):
@@ -86,7 +97,8 @@ def decode(data):
             blacklist if isinstance(blacklist, dict) else {})
 
 
-def resume(saved, job, hosts, adoption, now):
+def resume(saved: StateDir, job: Job, hosts: HostManager, adoption: Adoption,
+           now: float) -> Job:
     """``job`` with what ``saved`` kept: the blacklist goes back into ``hosts``, the
     newest round becomes ``adoption``'s floor (the next round comes after it)."""
     floor, next_worker, resets, blacklist = saved.read_back()
@@ -102,17 +114,17 @@ def resume(saved, job, hosts, adoption, now):
 class StateDir:
     """The file under --state-dir (nothing at all without one)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory: str | None) -> None:
         self.directory = directory
-        self._written = None
+        self._written: str | None = None
         self.kept = decode_kept(self._read(warn=False))   # the previous driver's view of the job
         self.finished = False
 
     @property
-    def path(self):
+    def path(self) -> str | None:
         return os.path.join(self.directory, FILE) if self.directory else None
 
-    def read_back(self):
+    def read_back(self) -> Saved:
         """What the previous driver of this job left; zeros when nothing."""
         return decode(self._read())
 
@@ -130,9 +142,10 @@ class StateDir:
                             exc)
             return None
 
-    def note(self, action, job, hosts, now):
+    def note(self, action: Action, job: Job, hosts: HostManager, now: float) -> None:
         """After an action: write the file if what it keeps changed."""
-        if not self.directory or not isinstance(action, NOTED):
+        path = self.path
+        if path is None or not isinstance(action, NOTED):     # no --state-dir, or nothing kept
             return
         self.finished = self.finished or isinstance(action, Finish)
         data = encode(job, hosts, now, self.kept, self.finished)
@@ -141,13 +154,13 @@ class StateDir:
         if key == self._written and not isinstance(action, HostFailed):
             return
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            tmp = self.path + ".tmp"
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(data, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
             self._written = key
         except OSError as exc:
             log.warning("--state-dir: cannot write %s: %s", self.path, exc)
