@@ -8,6 +8,7 @@ from elastic.runner.adoption import (
     Strays,
     free_slots,
     next_worker_after,
+    rank_order,
     round_floor,
     window_over,
     with_floor,
@@ -15,6 +16,8 @@ from elastic.runner.adoption import (
 from elastic.runner.cli import no_checkpoint_warning
 from elastic.runner.decisions import Job, Publish, Spawn
 from elastic.runner.hosts import HostManager
+from elastic.runner.planner import plan_round
+from elastic.runner.records import WorkerRecord
 from elastic.runner.state_dir import FILE, StateDir, decode, encode, resume
 
 
@@ -40,6 +43,10 @@ def test_with_floor_counts_the_adopted_as_holders_of_the_floor_round():
     assert with_floor(running, 9, {"0"}) is running     # after its first round: untouched
 
 
+def _record(worker_id):
+    return WorkerRecord(worker_id, f"host-{worker_id}", 0, None, 0.0)
+
+
 class _Store:
     def __init__(self, values):
         self.values = values
@@ -55,7 +62,7 @@ class _Store:
 def test_adopted_workers_wait_for_the_window_even_when_found_again():
     adoption = Adoption(window_s=3.0)
     adoption.first_at, adoption.waiting = 10.0, {"0", "1"}
-    workers = {"0": object(), "1": object(), "7": object()}
+    workers = {"0": _record("0"), "1": _record("1"), "7": _record("7")}
     store = _Store({Keys.ready("0"): {"round": 4, "latest": 5}, Keys.heartbeat("1"): {"round": 4}})
     ready, job = adoption.release({"0", "7"}, 11.0, Job(), store, workers)
     assert ready == {"7"} and job.round_id == 0          # a new one is ready at once
@@ -157,18 +164,33 @@ def test_adoption_waits_for_the_agent_of_a_worker_that_announced_itself():
               Keys.ready("1"): {"round": 4, "latest": 5, "adopt": True},
               Keys.heartbeat("1"): {"beat": 1}}
     store = _Store(values)
-    ready, job = adoption.release({"0"}, 11.0, Job(), store, {"0": object()})
+    ready, job = adoption.release({"0"}, 11.0, Job(), store, {"0": _record("0")})
     assert ready == set()
-    ready, job = adoption.release(set(), 14.0, job, store, {"0": object()})
+    ready, job = adoption.release(set(), 14.0, job, store, {"0": _record("0")})
     assert ready == set() and job.round_id == 0          # the window passed: waits for 1
     values[Keys.heartbeat("1")] = {"beat": 2}
-    workers = {"0": object(), "1": object()}             # its agent came back with it
+    workers = {"0": _record("0"), "1": _record("1")}             # its agent came back with it
     adoption.waiting.add("1")
     ready, job = adoption.release({"1"}, 15.0, job, store, workers)
     assert ready == {"0", "1"} and job.round_id == 5
     late = Adoption(window_s=3.0, wait_s=20.0)
     late.first_at, late.waiting = 10.0, {"0"}
     late.strays.silent_s = 100.0            # its heartbeat moves on, its agent never comes
-    late.release({"0"}, 11.0, Job(), _Store(dict(values)), {"0": object()})
-    assert late.release(set(), 29.0, Job(), _Store(dict(values)), {"0": object()})[0] == set()
-    assert late.release(set(), 30.0, Job(), _Store(dict(values)), {"0": object()})[0] == {"0"}
+    late.release({"0"}, 11.0, Job(), _Store(dict(values)), {"0": _record("0")})
+    assert late.release(set(), 29.0, Job(), _Store(dict(values)), {"0": _record("0")})[0] == set()
+    assert late.release(set(), 30.0, Job(), _Store(dict(values)), {"0": _record("0")})[0] == {"0"}
+
+
+def test_adopted_workers_keep_their_previous_rank_order():
+    """Rank 0 stays on the worker that had it (its logging, its checkpoint writes): hosts
+    in the order of their workers' previous ranks, and a host's slots in that order too,
+    whatever order the agents came back in."""
+    records = [WorkerRecord("4", "node-b", 0, None, 0.0), WorkerRecord("2", "node-a", 0, None, 0.0),
+               WorkerRecord("3", "node-a", 1, None, 0.0), WorkerRecord("7", "node-c", 0, None, 0.0)]
+    ranks = {"4": 0, "2": 2, "3": 1}                      # node-c's worker did not say
+    assert rank_order(records, ranks) == ("node-b", "node-a", "node-c")
+    assert {r.worker_id: r.slot for r in records} == {"4": 0, "3": 0, "2": 1, "7": 0}
+    job = with_floor(Job(), 5, {"4", "2", "3", "7"}, ("node-b", "node-a", "node-c"))
+    planned = plan_round(records, list(job.host_order))
+    assert [m.worker_id for m in planned] == ["4", "3", "2", "7"]
+

@@ -91,7 +91,18 @@ def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job, tmp_path
         text = job.agent_output(name)
         assert "does not answer; keeping 1 worker(s)" in text
         assert "answers again;" not in text, text[-3000:]
+    # Rank 0 stays on its worker even when that worker's agent comes back last.
+    rank0 = {(r["worker"], r["host"]) for r in job.steps() if r["rank"] == 0}
+    assert len(rank0) == 1, rank0
+    (rank0_worker, rank0_host), = rank0
+    job.signal_agent(rank0_host, signal.SIGSTOP)
+    earlier = len(job.output())
     job.restart_driver()
+    try:
+        job.wait_for(lambda: "waiting up to 10 s (--worker-timeout) for the agent of worker(s) "
+                     f"{rank0_worker}" in job.output()[earlier:], "the driver to wait for it")
+    finally:
+        job.signal_agent(rank0_host, signal.SIGCONT)
     job.wait_for(lambda: any(e["event"] == "round_assembled" and e["round"] > before
                              for e in map(json.loads, events.read_text().splitlines())),
                  "the adopted round")      # the workers hold at step 9 until it formed
@@ -102,6 +113,7 @@ def test_a_sigkilled_driver_restarted_adopts_the_live_workers(join_job, tmp_path
     assert _adopted(out) == 2, out[-4000:]
     # The same two processes ran the whole job: no worker was started again.
     assert {r["worker"] for r in job.steps()} == {"0", "1"}
+    assert {r["worker"] for r in job.steps() if r["rank"] == 0} == {rank0_worker}
     after = [r["round"] for r in job.steps() if r["step"] > 9]
     assert after and before < min(after) < 1000, (before, after)
     for name in ("node-a", "node-b"):

@@ -123,17 +123,38 @@ class Strays:
         return set(self.beats)
 
 
-def with_floor(job: Job, floor: int, adopted: Iterable[str] = ()) -> Job:
+def with_floor(job: Job, floor: int, adopted: Iterable[str] = (),
+               host_order: Iterable[str] = ()) -> Job:
     """``job`` whose next round comes after ``floor``, with the ``adopted`` workers
     counted as that round's members: they hold the training state (only before this
-    driver's first round)."""
+    driver's first round); ``host_order`` (rank_order) places their hosts in the plan."""
     if job.members:
         return job
     rounds = dict(job.rounds)
     if adopted:
         rounds[max(floor, job.round_id)] = MemberIds(
             list(rounds.get(max(floor, job.round_id), ())) + sorted(adopted))
-    return dataclasses.replace(job, round_id=max(floor, job.round_id), rounds=rounds)
+    return dataclasses.replace(job, round_id=max(floor, job.round_id), rounds=rounds,
+                               host_order=tuple(host_order) or job.host_order)
+
+
+def rank_order(records: Iterable[WorkerRecord], ranks: Mapping[str, Any]) -> tuple[str, ...]:
+    """The adopted workers in the order of their ranks in the previous driver's round
+    (``ranks``: worker id -> rank, None when unknown, those last), so rank 0 and its
+    side effects (logging, the checkpoint writer) stay on the same worker: each host's
+    slots are handed out again in that order (``records`` are changed), and the hosts
+    come back in it (the host order the planner takes)."""
+    def key(record: WorkerRecord) -> tuple[int, int, int]:
+        rank = ranks.get(record.worker_id)
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return (0, rank, 0)
+        return (1, 0, int(record.worker_id))
+    ordered = sorted(records, key=key)
+    for host in dict.fromkeys(r.host for r in ordered):
+        mine = [r for r in ordered if r.host == host]
+        for record, slot in zip(mine, sorted(r.slot for r in mine)):
+            record.slot = slot
+    return tuple(dict.fromkeys(r.host for r in ordered))
 
 
 class Adoption:
@@ -211,10 +232,14 @@ class Adoption:
         if self.held and window_over(self.first_at, now, self.window_s, awaited, self.wait_s):
             keys = [Keys.ready(w) for w in self.held] + [Keys.heartbeat(w) for w in self.held]
             try:
-                values = list(control.get_many(keys).values())
+                read = control.get_many(keys)
             except ControlError:
-                values = []
-            job = with_floor(job, round_floor(values, max(job.round_id, self.floor)), self.held)
+                read = {}
+            ranks = {w: v.get("rank") for w in self.held
+                     if isinstance(v := read.get(Keys.ready(w)), dict)}
+            order = rank_order([workers[w] for w in self.held], ranks)
+            job = with_floor(job, round_floor(read.values(), max(job.round_id, self.floor)),
+                             self.held, order)
             ready |= self.held
             log.info("%d adopted worker(s) are back; the next round is %d", len(self.held),
                      job.round_id + 1)

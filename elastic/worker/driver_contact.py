@@ -97,6 +97,7 @@ class DriverContact:
         if not w.registered:
             return
         value = {"pid": os.getpid(), "round": w.round_id, "latest": w.known_latest,
+                 "rank": w.membership.rank if w.membership is not None else None,
                  "adopt": True}
         w.control.rekeep(Keys.ready(w.worker_id), value)   # a newcomer heals its registration
         conn.put(Keys.ready(w.worker_id), value)
