@@ -55,6 +55,13 @@ class Placement:
     def wait_mode(self) -> str:
         return wait_mode(self.backend)
 
+    @property
+    def cuda_device(self) -> int:
+        """``device``, where a GPU is needed (an NCCL placement always has one)."""
+        if self.device is None:
+            raise PlacementError(f"a {self.backend} placement on the CPU has no CUDA device")
+        return self.device
+
 
 def choose_backend(requested: str, cuda_available: bool) -> str:
     """The device group's backend for ``ELASTIC_BACKEND=requested``."""

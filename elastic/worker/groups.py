@@ -31,12 +31,12 @@ import torch.distributed as dist
 from elastic import protocol
 from elastic.exceptions import WorkersDepartedError
 from elastic.worker import devices, nccl, torch_world, waiting
+from elastic.worker.membership import Membership, in_round
 from elastic.worker.sliced import AbortWatch, wait_sliced
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend as C10dBackend  # gloo's, NCCL's
 
-    from elastic.worker.membership import Membership
     from elastic.worker.torch_world import RoundMember
 
 class TrackedGroup:
@@ -150,7 +150,7 @@ def form_groups(watch: AbortWatch, rendezvous: dist.Store, rank: int, size: int,
                 torch.cuda.set_device(placement.device)     # this builder thread too
             if placement.backend == "nccl":
                 result["device"] = nccl.new_group(dist.PrefixStore("nccl/", rendezvous), rank,
-                                                  size, placement.device,
+                                                  size, placement.cuda_device,
                                                   watch.collective_timeout)
         except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
             result["error"] = exc
@@ -175,7 +175,7 @@ def build_groups(worker: RoundMember, round_id: int,
     """(cpu group, device group) of ``worker``'s membership in ``round_id``, met
     through ``rendezvous`` (the round's SignedStore), checked usable by every peer,
     and installed as torch.distributed's default group (torch_world.py)."""
-    m = worker.membership
+    m = in_round(worker.membership)
     cpu, device = form_groups(worker, rendezvous, m.rank, m.size, placement,
                               f"process group for round {round_id}")
     # A group is usable only once every peer finished connecting: without this

@@ -140,9 +140,10 @@ class Heartbeat(threading.Thread):
                 refusals, lost_since = 0, None
                 if contact.away:
                     # A put may "succeed" on a dead socket; a read needs the driver's answer.
-                    self._conn.fetch(Keys.heartbeat(link.worker_id))
+                    conn = self._connection()       # the one send() just used
+                    conn.fetch(Keys.heartbeat(link.worker_id))
                     contact.back()
-                    contact.announce(self._conn)    # a restarted driver adopts us from it
+                    contact.announce(conn)          # a restarted driver adopts us from it
                 contact.refresh()                   # never opened on the training thread
             except Exception:  # noqa: BLE001 - any store failure means the driver may be gone
                 self._conn = None
@@ -163,14 +164,20 @@ class Heartbeat(threading.Thread):
 
     def send(self, beat: int) -> None:
         link = self._link
+        conn = self._connection()
+        value = dict(link.status(), beat=beat)
+        if link.leave_requested():
+            link.leaving.put(conn)
+        conn.put(Keys.heartbeat(link.worker_id), value)
+
+    def _connection(self) -> ControlStore:
+        """The beats' connection, made now if there is none."""
+        link = self._link
         if self._conn is None:
             if link.contact.patient and not port_accepts(*link.driver_at):
                 raise ConnectionRefusedError("the driver is away")   # no store client noise
             self._conn = link.connect()
-        value = dict(link.status(), beat=beat)
-        if link.leave_requested():
-            link.leaving.put(self._conn)
-        self._conn.put(Keys.heartbeat(link.worker_id), value)
+        return self._conn
 
     def wake(self) -> None:
         self._wake.set()
@@ -197,9 +204,13 @@ class LeavingReport:
         self._lock = threading.Lock()
         self._commit: int | None = None
 
-    def put(self, conn: ControlStore, commit: int | None = None) -> None:
+    def put(self, conn: ControlStore | None, commit: int | None = None) -> None:
+        """Remember ``commit`` and put the report on ``conn`` (None: the driver is away;
+        the heartbeat puts it once the driver is back)."""
         with self._lock:
             if commit is not None:
                 self._commit = commit
+            if conn is None:
+                return
             conn.put(Keys.leaving(self._worker_id), {"signal": self._signal(),
                                                      "commit": self._commit})

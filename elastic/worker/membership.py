@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from elastic import protocol as control
+from elastic.exceptions import ElasticError
 
 
 @dataclass(frozen=True)
@@ -26,3 +27,11 @@ class Membership:
     def export(self) -> None:
         """Set them in os.environ: they hold the worker's first round, as Horovod's do."""
         os.environ.update(self.env())
+
+
+def in_round(membership: Membership | None) -> Membership:
+    """``membership``, read by code that runs only inside a round (an order the run loop
+    keeps and the type checker cannot follow); between rounds, a clear error."""
+    if membership is None:
+        raise ElasticError("this worker is between rounds: it has no membership to use")
+    return membership

@@ -28,7 +28,7 @@ from elastic import protocol as control
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.protocol import Assembled, Keys, Member, RoundPlan
 from elastic.worker.groups import RetiredGroups, TrackedGroup, build_groups, placement_for
-from elastic.worker.membership import Membership
+from elastic.worker.membership import Membership, in_round
 from elastic.worker.signed_store import SignedStore
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class RoundLifeCycle:
                         for key in self._standing:
                             self.control.forget(key)
                         self._standing.clear()
-                        return self.membership
+                        return in_round(self.membership)
                     if outcome is not None:
                         tried = latest  # not a member, or aborted; None: plan not readable yet
                     self.progress.begin_wait("next round", tried, on_peers=False)
@@ -262,7 +262,10 @@ class RoundLifeCycle:
 
     def form_groups(self, round_id: int) -> tuple[TrackedGroup, TrackedGroup]:
         """The round's (CPU group, device group), through its signing rendezvous."""
-        return build_groups(self, round_id, self.placement, self._rendezvous)
+        placement, rendezvous = self.placement, self._rendezvous
+        if placement is None or rendezvous is None:       # _enter sets both first
+            raise ElasticError(f"round {round_id}'s groups form only while the worker enters it")
+        return build_groups(self, round_id, placement, rendezvous)
 
     def _drop_groups(self) -> None:
         """Leave the round's groups without waiting for them to drain.

@@ -19,14 +19,14 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from elastic import protocol as control
-from elastic.exceptions import HostsUpdatedInterrupt, StopTraining
+from elastic.exceptions import HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
 from elastic.protocol import ControlError, ControlStore, Keys, env_float
 from elastic.worker import commits, logs
 from elastic.worker.commits import CommitCheck
 from elastic.worker.driver_contact import DriverContact, driver_grace
 from elastic.worker.exit_guard import ExitGuard
 from elastic.worker.liveness import CONNECT_TIMEOUT_S, BeatLink, Heartbeat, LeavingReport, Progress
-from elastic.worker.membership import Membership
+from elastic.worker.membership import Membership, in_round
 from elastic.worker.rounds import RoundLifeCycle
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,10 @@ class Worker(RoundLifeCycle):
         """The commit's collective check: every rank gets the same CommitCheck."""
         if self.membership is None:
             self.join_next_round()        # a commit between rounds joins one first
-        return commits.agree(self.commit_flags(), self.cpu_group, self)
+        flags, group = self.commit_flags(), self.cpu_group
+        if group is None:                 # joining formed it: only a round left has none
+            raise WorkersDepartedError(f"round {self.round_id} has no process group left")
+        return commits.agree(flags, group, self)
 
     def act_on_commit(self, check: CommitCheck, commit: int) -> CommitCheck:
         """Every rank got the same ``check``, so every rank acts alike: raises StopTraining
@@ -286,7 +289,7 @@ def ensure_joined() -> Worker | None:
 
 def membership() -> Membership:
     w = ensure_joined()
-    return w.membership if w is not None else _STANDALONE
+    return in_round(w.membership) if w is not None else _STANDALONE
 
 
 def rank() -> int:

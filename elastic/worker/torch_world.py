@@ -32,6 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 from elastic import protocol
 from elastic.exceptions import ElasticError, WorkersDepartedError
 from elastic.worker import sliced, waiting
+from elastic.worker.membership import in_round
 
 if TYPE_CHECKING:
     from elastic.protocol import ControlStore
@@ -145,10 +146,11 @@ class RoundGroup(dist.ProcessGroup):
 
     def __init__(self, worker: RoundMember, round_id: int, cpu: TrackedGroup,
                  device: TrackedGroup) -> None:
-        super().__init__(worker.membership.rank, worker.membership.size)  # type: ignore[call-arg, arg-type]
+        m = in_round(worker.membership)
+        super().__init__(m.rank, m.size)  # type: ignore[call-arg, arg-type]
         self.worker = worker
         self.round_id = round_id
-        self._cpu = cpu
+        self._cpu: TrackedGroup | None = cpu    # None once the round ended
         self._device = device if device is not cpu else None
         self.backend_name = "nccl" if self._device is not None else "gloo"
         self.ended = False
@@ -164,12 +166,13 @@ class RoundGroup(dist.ProcessGroup):
         return self.backend_name
 
     def _backend_for(self, args: tuple[Any, ...]) -> TrackedGroup:
-        if self.ended:
+        cpu = self._cpu
+        if self.ended or cpu is None:      # end() sets both
             raise WorkersDepartedError(f"round {self.round_id}'s process group has ended")
         tensor = _first_tensor(args)
         if tensor is not None and tensor.is_cuda and self._device is not None:
             return self._device
-        return self._cpu
+        return cpu
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` like our own collectives; an ended round's unfinished work
@@ -270,7 +273,7 @@ def install(worker: RoundMember, round_id: int, cpu: TrackedGroup, device: Track
                                backend_config=group.backend_name,
                                rank_mapping={r: r for r in range(group.size())})
     _current = group
-    os.environ.update(torchrun_env(worker.membership, os.environ))
+    os.environ.update(torchrun_env(in_round(worker.membership), os.environ))
     return group
 
 
