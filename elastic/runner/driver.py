@@ -54,12 +54,14 @@ from elastic.runner.job_config import JobConfig
 from elastic.runner.outage import CHECKPOINT, FINISHED, GO, LOST, WAIT, decide_outage
 from elastic.runner.policy import can_skip, decide
 from elastic.runner.records import Observed, WorkerRecord
+from elastic.runner.spares import Spares
 from elastic.runner.stalls import exit_poll_interval, heartbeat_interval, heartbeat_read_interval
 from elastic.runner.state_dir import StateDir, resume
 from elastic.runner.watch import Watch, WatchError
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.05
+SPARES_EVERY_S = 0.5           # --warm-spare: how often the spares are looked after
 ABORTS_KEPT = 3             # aborts of this many recent rounds are kept in place
 
 
@@ -105,6 +107,8 @@ class Driver:
         self.job = resume(self.saved, self.job, self.hosts, self.adoption, self.started)
         self.outage = None         # a serving driver's verdict on its predecessor's absence
         self._away_exits: list[Exit] = []   # workers that failed while no driver read their exit
+        self.spares = Spares(config.command) if config.warm_spare else None
+        self._spares_at = 0.0
 
     def request_stop(self, signum: int) -> None:
         """First SIGTERM/SIGINT: stop at the next commit; a second one: stop at once."""
@@ -167,9 +171,13 @@ class Driver:
                 if self.watch.tick(now):
                     self._settled_at = None          # steered: decide looks again
                 self.plane.heal(now)
+                if self.spares is not None:
+                    self._refill_spares(now)
                 time.sleep(TICK_S)
         finally:
             background.stop(timeout=1.0)
+            if self.spares is not None:
+                self.spares.close()
             self.reporter.flush()
             self.watch.close()
             self._stop_all()
@@ -314,6 +322,16 @@ class Driver:
             self._unready.add(record.worker_id)
             self.events.emit("worker_adopted", worker=record.worker_id, host=record.host)
 
+    def _refill_spares(self, now):
+        """The warm spare (spares.py), started only while the job runs and every worker
+        the driver started is ready."""
+        if self._unready or self.job.phase is not Phase.RUNNING or self.stop_signal is not None \
+                or now - self._spares_at < SPARES_EVERY_S:
+            return
+        self._spares_at = now
+        if self.spares.refill():
+            log.debug("a warm spare is starting")
+
     def _heartbeat_check_s(self):
         return heartbeat_read_interval(len(self.workers), self.cfg.worker_timeout)
 
@@ -454,6 +472,13 @@ class Driver:
         env = {**os.environ, **env}
         if launcher.is_local(host, self._local_names):
             env[control.ENV_DRIVER_PID] = str(os.getpid())
+            spare = self.spares.take(env) if self.spares is not None else None
+            if self.spares is not None:
+                self.spares.note_worker(env)
+            if spare is not None:
+                log.info("worker %s on %s: a warm spare became it (pid %d)", wid, host, spare.pid)
+                self.events.emit("warm_spare_used", worker=wid, host=host)
+                return launcher.adopt_local(wid, host, spare, self.sink)
             try:
                 return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
             except OSError as exc:

@@ -62,6 +62,7 @@ class JobConfig:
     tensorboard: str | None = None        # write TensorBoard scalars in this directory
     stragglers: StragglerRule | None = None   # None: StragglerRule's defaults
     start_warning: str | None = None      # printed once, after the first round's line
+    warm_spare: bool = False              # a started python per local host (runner/spares.py)
 
     def limits(self) -> Limits:
         """The part of the configuration that the decisions depend on."""
@@ -80,6 +81,9 @@ class JobConfig:
         args = argparse.Namespace(**options)
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         serving = None
+        if args.serve and getattr(args, "warm_spare", False):
+            raise UsageError("--warm-spare works for workers the driver starts itself, not "
+                             "with --serve")
         if args.serve:
             try:
                 serving = serve.serve_settings(args, command)
@@ -195,6 +199,7 @@ class JobConfig:
                 **({protocol.ENV_CHECKPOINT_UNUSABLE: args.on_unusable_checkpoint}
                    if args.on_unusable_checkpoint else {})},
             start_timeout=start_timeout, stragglers=straggler_rule, state_dir=args.state_dir,
+            warm_spare=bool(getattr(args, "warm_spare", False)),
             **served,
         )
 

@@ -279,10 +279,43 @@ def start_local(worker_id: str, host: str, command: Sequence[str], env: Mapping[
         _die_with_parent(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, start_new_session=True,
     )
+    return adopt_local(worker_id, host, popen, sink)
+
+
+def adopt_local(worker_id: str, host: str, popen: subprocess.Popen,
+                sink: OutputSink) -> WorkerProcess:
+    """A local process already started (a warm spare that became a worker) as a worker."""
     assert popen.stdout is not None and popen.stderr is not None    # PIPEs, as asked
     pumps = [sink.attach(worker_id, popen.stdout, "stdout"),
              sink.attach(worker_id, popen.stderr, "stderr")]
     return WorkerProcess(worker_id, host, popen, pumps)
+
+
+def start_spare(python: str, script: str, env: Mapping[str, str]) -> subprocess.Popen:
+    """A warm spare (runner/spares.py): like a local worker, but its stdin is a pipe that
+    will carry the spec of the worker it becomes."""
+    return subprocess.Popen(
+        _die_with_parent([python, script]), env=env, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+
+
+def end_spare(popen: subprocess.Popen) -> None:
+    """Kill a spare that is no longer wanted and reap it; its pipes are closed."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        popen.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (popen.stdin, popen.stdout, popen.stderr):
+        if stream is not None:
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 # -- remote hosts over ssh --------------------------------------------------------------

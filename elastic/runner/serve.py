@@ -80,6 +80,9 @@ def agent_config(args: argparse.Namespace, command: list[str]) -> AgentConfig:
         raise ValueError("give either --serve (the driver) or --join (an agent), not both")
     if not command:
         raise ValueError("--join needs the training command to run on this host")
+    if getattr(args, "warm_spare", False):
+        raise ValueError("--warm-spare works for workers the driver starts itself, not with "
+                         "--join")
     host, port = parse_address(args.join)
     read_secret(args.secret_file)
     name = args.host_name or socket.gethostname()

@@ -1,0 +1,76 @@
+"""elasticrun --warm-spare: a started python on the driver's machine becomes the next local worker
+(elastic/runner/spares.py, elastic/launching/spare.py)."""
+
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+from support.jobs import Job, kill_leftover_jobs
+from support.procs import environ, job_workers
+
+from elastic.runner.spares import spare_argv
+
+
+@pytest.fixture
+def started():
+    jobs = []
+    yield jobs
+    kill_leftover_jobs(jobs)
+
+
+def spares_of(out):
+    """Pids of live warm spares (or workers they became) started for the job writing ``out``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if not any(a.endswith(b"launching/spare.py") for a in argv):
+                continue
+            if environ(int(name)).get("JOB_OUT") == str(out):
+                found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def test_only_a_python_script_command_can_use_a_spare(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert spare_argv([sys.executable, str(script), "--lr", "1"]) == (
+        sys.executable, [str(script), "--lr", "1"])
+    assert spare_argv(["python3", "-u", str(script)])[1] == [str(script)]
+    assert spare_argv([sys.executable, "-m", "train"]) is None
+    assert spare_argv([sys.executable, "-c", "print(1)"]) is None
+    assert spare_argv([sys.executable, str(tmp_path / "missing.py")]) is None
+    assert spare_argv(["/bin/sh", str(script)]) is None
+
+
+def test_a_crashed_worker_is_replaced_by_the_warm_spare_and_nothing_is_lost(tmp_path, started):
+    job = Job(tmp_path, ["-np", "2", "--max-np", "2", "--warm-spare"],
+              hosts=["localhost:1", "127.0.0.1:1", "127.0.0.2:1"], env={"JOB_HOLD": "3"}).start()
+    started.append(job)
+    job.wait_step(3, size=2)
+    job.wait_for(lambda: spares_of(job.out), "a warm spare")
+    (spare,) = spares_of(job.out)
+    env = environ(spare)
+    assert not [k for k in env if k.startswith("ELASTIC_")], env    # no id, rank or key
+    victim = next(pid for pid, e in job_workers(job.out).items()
+                  if e["ELASTIC_HOSTNAME"] == "localhost")
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(lambda: f"a warm spare became it (pid {spare})" in job.output(),
+                 "the spare to become the replacement")
+    job.release(3)
+    job.assert_ok(job.finish(), final_size=2)
+    out = job.output()
+    (wid,) = re.findall(r"worker (\S+) on 127.0.0.2: a warm spare became it", out)
+    assert any(r["worker"] == wid for r in job.steps())   # the spare trained as that worker
+    deadline = time.monotonic() + 30
+    while spares_of(job.out) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert spares_of(job.out) == []                      # the next spare went with the job
