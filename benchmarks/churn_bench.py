@@ -87,12 +87,14 @@ def _fault(job, kind, rng, listed, log):
     return f"{kind} {wid} on {host}"
 
 
-def run_churn(Job, kinds, quick=False):  # noqa: N803 - run.Job, passed in (no import cycle)
-    """One churn run; returns (analysis dict, list of fault descriptions)."""
+def run_churn(Job, kinds, quick=False, spare=False):  # noqa: N803 - run.Job, passed in
+    """One churn run (``spare``: elasticrun --warm-spare); returns (analysis dict, list of
+    fault descriptions)."""
     rng = random.Random(1)
     window = 30.0 if quick else WINDOW_S
     args = ["-np", "4", "--min-np", "2", "--blacklist-cooldown-range", "1", "2",
-            "--worker-timeout", str(DETECT_S), "--stall-timeout", str(DETECT_S)]
+            "--worker-timeout", str(DETECT_S), "--stall-timeout", str(DETECT_S)] + (
+                ["--warm-spare"] if spare else [])
     done = []
     with Job(args, hosts=list(HOSTS), env={"BENCH_STEP_SLEEP": "0.02",
                                            "BENCH_MAX_STEPS": "100000"}) as job:
@@ -179,13 +181,27 @@ def analyse(steps, starts, first, t0, t1, ready=None):
 
 
 def rows(Job, quick=False, mixed=False):  # noqa: N803
+    """The row without and with --warm-spare (BENCH_CHURN_SPARE=0 or 1: only that one)."""
+    only = os.environ.get("BENCH_CHURN_SPARE")
+    got, notes = [], []
+    for spare in (False, True):
+        if only is not None and spare != (only == "1"):
+            continue
+        g, n = _row(Job, quick, mixed, spare)
+        got += g
+        notes += n
+    return got, notes
+
+
+def _row(Job, quick, mixed, spare):  # noqa: N803
     kinds = MIX if mixed else ("kill",)
-    a, done = run_churn(Job, kinds, quick)
+    a, done = run_churn(Job, kinds, quick, spare)
     what = ("mixed faults (SIGKILL, SIGTERM + host replaced, SIGSTOP, stuck thread, host "
             "removed and added)" if mixed else "a random worker SIGKILLed")
+    flag = ", --warm-spare" if spare else ""
     target = 0.95 if mixed else 0.98
     loss = ", ".join(f"{k} {100 * v:.1f} %" for k, v in a["loss"].items())
-    got = [(f"goodput under churn: {what} every {EVERY_S:.0f} s for {a['wall']:.0f} s, 4 "
+    got = [(f"goodput under churn{flag}: {what} every {EVERY_S:.0f} s for {a['wall']:.0f} s, 4 "
             "single-slot hosts, --min-np 2, commit every step: committed steps × median step "
             "÷ wall time; the loss split; sample-weighted (a step of n workers counts n/4 of a "
             "full-size step) after it",
@@ -193,7 +209,7 @@ def rows(Job, quick=False, mixed=False):  # noqa: N803
             f"in {a['wall']:.1f} s); loss: {loss}; sample-weighted {100 * a['by_samples']:.1f} %",
             "no faults: 100 %", f"{a['goodput']:.3f}", f"≥ {100 * target:.0f} %",
             "yes" if a["goodput"] >= target else "**no**: see notes")]
-    notes = [f"churn ({'mixed' if mixed else 'SIGKILL'}): faults at " + "; ".join(
+    notes = [f"churn ({'mixed' if mixed else 'SIGKILL'}{flag}): faults at " + "; ".join(
         f"+{t} s {d}" for t, d in done) + f"; {a['changes']} round changes, {a['rolled']} "
         f"steps rolled back; steps by world size 1/2/3/4: "
         f"{'/'.join(str(a['sizes'][n]) for n in (1, 2, 3, 4))} (full-size step "
