@@ -1,6 +1,7 @@
 """elasticrun --warm-spare: a started python on the driver's machine becomes the next local worker
 (elastic/runner/spares.py, elastic/launching/spare.py)."""
 
+import ast
 import os
 import re
 import signal
@@ -8,7 +9,7 @@ import sys
 import time
 
 import pytest
-from support.jobs import Job, kill_leftover_jobs
+from support.jobs import REPO, Job, kill_leftover_jobs
 from support.procs import environ, job_workers
 
 from elastic.runner.spares import spare_argv
@@ -49,6 +50,39 @@ def test_only_a_python_script_command_can_use_a_spare(tmp_path):
     assert spare_argv([sys.executable, "-c", "print(1)"]) is None
     assert spare_argv([sys.executable, str(tmp_path / "missing.py")]) is None
     assert spare_argv(["/bin/sh", str(script)]) is None
+
+
+def import_time_env_reads(source):
+    """Statements of ``source`` that run at import (module and class bodies) and read the
+    environment."""
+    found = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Import,
+                                   ast.ImportFrom)):
+                continue
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                continue                                 # a docstring
+            elif "environ" in (text := ast.unparse(node)) or "getenv" in text:
+                found.append(text[:80])
+
+    visit(ast.parse(source).body)
+    return found
+
+
+def test_no_elastic_module_reads_the_environment_at_import():
+    """A spare imports elastic before it has the worker's environment (spare.py)."""
+    assert import_time_env_reads('"""environ"""\nimport os\nX = os.environ.get("A")\n'
+                                 'class K:\n    Y = os.getenv("B")\n    def f(self):\n'
+                                 '        return os.environ\n') == [
+        "X = os.environ.get('A')", "Y = os.getenv('B')"]
+    found = [f"{path.relative_to(REPO)}: {line}"
+             for path in sorted((REPO / "elastic").rglob("*.py"))
+             for line in import_time_env_reads(path.read_text())]
+    assert found == []
 
 
 def test_a_crashed_worker_is_replaced_by_the_warm_spare_and_nothing_is_lost(tmp_path, started):

@@ -12,8 +12,9 @@ would. It is the same process from then on: the driver's handle, exit code, sign
 output pipes are those of an ordinary worker. End of input (the driver dropped it, or
 died) ends the spare quietly.
 
-The spare runs no elastic code before it becomes a worker: elastic's modules read their
-settings when the script imports them, after the environment is the worker's.
+Importing is all the spare does before it becomes a worker. elastic's modules read the
+environment when they are called, never at import (tests/test_warm_spare.py checks it), so
+importing them early changes nothing the worker sees.
 """
 
 import json
@@ -23,7 +24,8 @@ import sys
 
 # Imported ahead of need; each is what a replacement would otherwise import after the
 # crash (torch._dynamo: the optimizer's first step pulls it in).
-PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
+PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo", "elastic",
+           "elastic.torch")
 
 
 def preload(names: tuple[str, ...] = PRELOAD) -> None:
@@ -49,6 +51,8 @@ def become(spec: dict) -> None:
 
 
 def main() -> int:
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)          # run by path: this folder's modules must not shadow others
     preload()
     line = sys.stdin.readline()
     if not line.strip():

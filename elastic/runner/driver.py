@@ -323,9 +323,9 @@ class Driver:
             self.events.emit("worker_adopted", worker=record.worker_id, host=record.host)
 
     def _refill_spares(self, now):
-        """The warm spare (spares.py), started only while the job runs and every worker
-        the driver started is ready."""
-        if self._unready or self.job.phase is not Phase.RUNNING or self.stop_signal is not None \
+        """The warm spare (spares.py), started only while a round runs: never while the
+        first round's workers start."""
+        if self.job.phase is not Phase.RUNNING or self.stop_signal is not None \
                 or now - self._spares_at < SPARES_EVERY_S:
             return
         self._spares_at = now

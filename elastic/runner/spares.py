@@ -2,9 +2,9 @@
 
 A spare is a started Python that has imported torch and waits for a worker's spec on
 stdin (elastic/launching/spare.py). The driver keeps one on its machine (a joining agent
-one on its host), starts it only while every worker it started is ready (a spare never
-slows a round's start), and hands it the next worker to start there: the replacement
-after a crash skips the imports. A command that is not ``PYTHON [-u] SCRIPT.py ARGS`` with an
+one on its host), starts it once a round runs (never while the first workers start),
+and hands it the next worker to start there: the replacement after a crash skips the
+imports. A command that is not ``PYTHON [-u] SCRIPT.py ARGS`` with an
 existing script gets no spare; its workers start as they always do.
 """
 
