@@ -222,22 +222,27 @@ def test_losing_more_shards_than_copied_without_a_checkpoint_stops_with_one_line
     assert not list(job.out.glob("final.*.json"))
 
 
-def test_removing_more_workers_than_copied_hands_their_shards_off_first(fsdp_jobs, tmp_path):
-    """Redundancy 1, no checkpoint: removing the host of 2 of 3 workers at once (3 -> 1)
-    is more than one copy covers, but the leavers are alive at the commit where the round
-    re-forms: they hand the shards no stayer holds to the survivor before they go. The
-    survivor trains on from memory alone and ends where the fixed 4-worker run does."""
+@pytest.mark.parametrize("how", ["hosts removed", "SIGTERM"])
+def test_more_workers_leaving_than_copied_hand_their_shards_off_first(fsdp_jobs, tmp_path, how):
+    """Redundancy 1, no checkpoint: 2 of 3 workers leave at one commit (their host removed
+    from discovery, or SIGTERM to both), more than one copy covers. They are alive at the
+    commit where the round re-forms and hand the shards no stayer holds to the survivor
+    before they go; it trains on from memory alone and ends where the fixed 4-worker run
+    does."""
+    env = {"FSDP_STEPS": str(STEPS), "ELASTIC_SHARD_REDUNDANCY": "1"}
+    env.update({"FSDP_HOLD": "3:1"} if how == "hosts removed" else {"FSDP_TERM": "3:1+2"})
     job = Job(tmp_path, ["-np", "3", "--min-np", "1"], script=FSDP_JOB,
-              hosts=["localhost:1", "127.0.0.1:2"],
-              env={"FSDP_STEPS": str(STEPS), "FSDP_HOLD": "3:1", "ELASTIC_SHARD_REDUNDANCY": "1"})
-    job.start()
-    job.wait_step(3, size=3)
+              hosts=["localhost:1", "127.0.0.1:2"], env=env).start()
+    if how == "hosts removed":
+        job.wait_step(3, size=3)
+    else:                          # SIGTERM: the preempted host is not to come back later
+        job.wait_step(4, size=1)
     job.set_hosts(["localhost:1"])
     assert job.finish() == 0, job.output()[-4000:]
     assert sizes_in_order(job.steps()) == [3, 1]
     assert "no surviving worker" not in job.output(), job.output()[-4000:]
     after = [r for r in job.steps() if r["size"] == 1]
-    assert after and min(r["step"] for r in after) == 4       # no committed step lost
+    assert min(r["step"] for r in after) == 4                 # no committed step lost
     assert all(r["handed_off"] >= 1 for r in after)
     a, b = finals(job), finals(fsdp_jobs[0])
     assert a["batches"] == b["batches"]

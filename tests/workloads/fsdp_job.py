@@ -10,7 +10,8 @@ Writes to $JOB_OUT: steps.<worker>.jsonl (one line per step), final.<rank>.json
 this rank's shards equal its rows of them, the shards allgathered and the model's
 full state dict, the global batches). FSDP_HOLD="5:5,6:4" keeps
 committing after those steps until the world has 5, then 4 workers; FSDP_KILL=step:rank
-SIGKILLs that rank once, mid-backward (step:1+2 kills both ranks at once); FSDP_CKPT=DIR
+SIGKILLs that rank once, mid-backward (step:1+2 kills both ranks at once); FSDP_TERM=step:1+2
+sends those ranks SIGTERM before that step's commit, so they all leave at it; FSDP_CKPT=DIR
 writes each rank's shards there (and a job that starts with nothing in memory resumes
 from them).
 """
@@ -34,6 +35,8 @@ HOLDS = dict(tuple(int(v) for v in s.split(":"))
              for s in os.environ.get("FSDP_HOLD", "").split(",") if s)
 KILL_STEP, _, KILL_RANKS = os.environ.get("FSDP_KILL", "0:").partition(":")
 KILL_STEP, KILL_RANKS = int(KILL_STEP), [int(r) for r in KILL_RANKS.split("+") if r]
+TERM_STEP, _, TERM_RANKS = os.environ.get("FSDP_TERM", "0:").partition(":")
+TERM_STEP, TERM_RANKS = int(TERM_STEP), [int(r) for r in TERM_RANKS.split("+") if r]
 WID = os.environ.get("ELASTIC_WORKER_ID", "solo")
 
 
@@ -91,6 +94,8 @@ def main():
                               "held": state.held_bytes(),
                               "reshard_received": state.stats["reshard_received"],
                               "handed_off": state.stats["handed_off"]}) + "\n")
+        if state.step == TERM_STEP and elastic.rank() in TERM_RANKS:
+            os.kill(os.getpid(), signal.SIGTERM)     # these ranks all leave at this commit
         state.commit()
 
     def hold():
