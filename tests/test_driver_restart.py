@@ -7,6 +7,7 @@ exit 0 with bitwise-equal ranks, exactly-once samples and no committed step lost
 """
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -213,6 +214,39 @@ def test_a_driver_killed_after_training_ended_is_told_the_job_finished(
     job.restart_driver()                          # the job is over: it knows from --state-dir
     assert job.finish() == 0
     assert "the job in --state-dir already finished" in job.output().split(out)[-1]
+
+
+@pytest.mark.slow
+def test_a_driver_that_comes_back_to_no_surviving_worker_never_restarts_from_step_0(
+        join_job, tmp_path):
+    """Commits were made, then the driver and every worker died (SIGKILL): the restarted
+    driver learns from --state-dir that work existed and from the agents that no worker
+    survives (their exit codes are not 0). Without a checkpoint it follows the holders
+    rule: one line naming the last commit, a non-zero exit, no worker started."""
+    state = tmp_path / "state"
+    job = join_job(["-np", "2", "--worker-timeout", "10", "--state-dir", str(state)],
+                   env={"JOB_HOLD": "3"}).start()
+    job.join("node-a")
+    job.join("node-b")
+    job.wait_step(3, size=2)
+
+    def kept_commit():
+        path = state / "driver-state.json"
+        return json.loads(path.read_text()).get("commit", -1) if path.exists() else -1
+    job.wait_for(lambda: kept_commit() >= 1, "a commit kept in --state-dir")
+    _kill_driver(job)
+    for pid in job_workers(job.out):
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not job_workers(job.out), "every worker to die",
+               output=lambda: job.agent_output("node-a"))
+    job.restart_driver()
+    assert job.finish() == 1
+    out = job.output()
+    line = re.findall(r"elasticrun: error: (no surviving worker holds the training state; "
+                      r"the last commit was (\d+))", out)
+    assert line and int(line[-1][1]) == kept_commit() >= 1, out[-4000:]
+    assert len(list(job.out.glob("env.*.json"))) == 2           # nothing started again
+    assert "round 2" not in out and "adopting" not in out, out[-4000:]
 
 
 def _events(path):
