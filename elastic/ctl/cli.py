@@ -46,7 +46,7 @@ def build_parser() -> Parser:
     return p
 
 
-def _top(client, label, interval, out):
+def _top(client: Client, label: str, interval: float, out: TextIO) -> int:
     """Redraw until Ctrl-C (exit 0) or until the job ends (exit 0, with a last line)."""
     try:
         while True:

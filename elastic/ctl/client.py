@@ -11,12 +11,13 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from elastic.exceptions import ElasticError
 from elastic.protocol import ENV_SECRET_FILE, ControlStore, Doorbell, Keys, connect, ctl_key
 from elastic.runner import jobfiles, serve
 
+T = TypeVar("T")
 RERING_S = 1.0           # a request whose ring was lost (the inbox was emptied) rings again
 POLL_S = 0.05
 
@@ -118,14 +119,14 @@ class Client:
             raise CtlError(f"no elasticrun job with this secret answers at {target.address}:"
                            f"{target.port} (wrong secret, or not an elasticrun control store)")
 
-    def _store(self, call, *args):
+    def _store(self, call: Callable[..., T], *args: Any) -> T:
         try:
             with quiet_stderr():
                 return call(*args)
         except (RuntimeError, OSError):
             raise CtlError(f"lost the job ({self.target.label}): it has ended") from None
 
-    def _get(self, key):
+    def _get(self, key: str) -> Any:
         return self._store(self.control.get, key)
 
     def request(self, op: str, **args: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from elastic.ray.workdir import UnsafeWorkdir, place_payload, private_tree
 from elastic.runner.agent import Agent, AgentConfig, AgentFailed
 
 
-def _package_root():
+def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(elastic.__file__)))
 
 

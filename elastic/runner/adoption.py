@@ -255,7 +255,8 @@ class Adoption:
                      self.wait_s, ", ".join(sorted(awaited)))
         return ready, job
 
-    def _awaited(self, control, workers, now):
+    def _awaited(self, control: ControlStore, workers: Mapping[str, WorkerRecord],
+                 now: float) -> set[str]:
         """Announced workers whose agent is not back (read every STRAY_LOOK_S)."""
         if self._looked is not None and now - self._looked < STRAY_LOOK_S:
             return self.strays.awaited(set(workers) | self.ended, now)

@@ -54,7 +54,7 @@ class Outbox:
             self._tell_dropped()
             self._out.append([worker_id, name, text])
 
-    def _tell_dropped(self):
+    def _tell_dropped(self) -> None:
         """One line per stream that lost lines to a full queue (the lock is held)."""
         for (wid, stream), count in self._dropped.items():
             self._out.append([wid, stream, f"[elastic: {count} lines dropped: the driver "

@@ -216,7 +216,7 @@ def log_format(args: argparse.Namespace) -> str:
         "elasticrun: %(asctime)s %(message)s"
 
 
-def _agent_main(args):
+def _agent_main(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         config = serve.agent_config(args, command)

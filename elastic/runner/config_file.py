@@ -98,7 +98,8 @@ def to_argv(path: str, options: Mapping[str, Flag]) -> list[str]:
     return argv
 
 
-def _horovod_entry(path, section, key, value, options):
+def _horovod_entry(path: str, section: str, key: str, value: object,
+                   options: Mapping[str, Flag]) -> list[str]:
     if section == "stall_check" and key == "enabled":
         return [] if value else ["--no-stall-check"]
     flag = HOROVOD_KEYS.get((section, key))
@@ -110,7 +111,7 @@ def _horovod_entry(path, section, key, value, options):
     return _flag(path, f"{section}.{key}", flag, value, options[flag])
 
 
-def _flag(path, name, flag, value, action):
+def _flag(path: str, name: str, flag: str, value: object, action: Flag) -> list[str]:
     """``action``: the flag's usage.Flag."""
     if action.nargs == 0:
         if not isinstance(value, bool):

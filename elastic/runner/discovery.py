@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from elastic.exceptions import ElasticError
@@ -90,7 +90,8 @@ def _parse_entry(entry: str, default_slots: int) -> tuple[str, str, int]:
     return host, host.lower(), slots  # DNS names are case-insensitive
 
 
-def _parse_entries(items, default_slots, source: str, unit: str) -> dict[str, int]:
+def _parse_entries(items: Iterable[tuple[int, str]], default_slots: int | None, source: str,
+                   unit: str) -> dict[str, int]:
     slots_default = _check_default_slots(default_slots)
     hosts: dict[str, int] = {}
     keys = set()

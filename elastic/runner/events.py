@@ -114,7 +114,7 @@ class RoundReporter:
                 self.flush()
         self._poll_progress(now)
 
-    def _poll_progress(self, now):
+    def _poll_progress(self, now: float) -> None:
         """Every new report goes to the event log; the console gets a line every 10 s."""
         if self._progress_wid is None:
             return

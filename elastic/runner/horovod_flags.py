@@ -185,7 +185,7 @@ def check_build() -> list[str]:
 
     from elastic import __version__
 
-    def box(flag):
+    def box(flag: bool) -> str:
         return "[X]" if flag else "[ ]"
 
     nccl = torch.cuda.is_available() and dist.is_nccl_available()

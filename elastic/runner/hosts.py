@@ -217,6 +217,6 @@ class HostManager:
         for h in hosts:
             self._seen.setdefault(h, None)
 
-    def _ordered(self, hosts) -> list:
+    def _ordered(self, hosts: Iterable[str]) -> list[str]:
         members = set(hosts)
         return [h for h in self._seen if h in members]

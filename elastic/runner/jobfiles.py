@@ -46,7 +46,7 @@ def remove(path: str) -> None:
         pass
 
 
-def _alive(pid):
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

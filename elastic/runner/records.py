@@ -23,7 +23,7 @@ class WorkerRecord:
     leaving: dict | None = None       # its SIGTERM report (Keys.leaving)
     leaving_since: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.liveness = Liveness(beat_at=self.started, progress_at=self.started)
 
     def view(self) -> WorkerView:

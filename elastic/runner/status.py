@@ -93,10 +93,12 @@ class CheckpointProbe:
                                  age_s=round(max(0.0, time.time() - summary["created"]), 1))
         return out
 
-    def _look(self):
+    def _look(self) -> None:
+        directory = self.directory
+        if directory is None:          # (state() looks only with a directory)
+            return
         try:
-            found = ckpt_format.list_checkpoints(self.directory) if os.path.isdir(
-                self.directory) else []
+            found = ckpt_format.list_checkpoints(directory) if os.path.isdir(directory) else []
         except (OSError, CheckpointError):
             return
         if not found or (self._newest and self._newest[0] == found[-1][0]):

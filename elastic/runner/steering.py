@@ -126,7 +126,7 @@ class Inbox:
         self.control.put(Keys.ctl_reply(name), value)
         self._replies.append((now, name))
 
-    def _remember(self, name, op):
+    def _remember(self, name: str, op: str) -> None:
         if op in STEERING:
             self._steering_names.add(name)            # rare (people type them): kept for good
             return
@@ -134,7 +134,7 @@ class Inbox:
         while len(self._status_names) > STATUS_NAMES_KEPT:
             self._status_names.popitem(last=False)
 
-    def _drop_old_replies(self, now):
+    def _drop_old_replies(self, now: float) -> None:
         while self._replies and now - self._replies[0][0] > REPLY_KEPT_S:
             _, name = self._replies.popleft()
             self.control.delete(Keys.ctl_reply(name))
