@@ -52,9 +52,11 @@ log = logging.getLogger(__name__)
 ENV_DIR = protocol.ENV_CHECKPOINT_DIR
 DEFAULT_EVERY_COMMITS = 10
 DEFAULT_EVERY_SECONDS = 60.0
+Job = tuple[int, Any, list[torch.Tensor], int]   # (version, skeleton, buffers, world size) to write
+SpareKey = tuple[tuple[int, ...], torch.dtype, bool]   # (shape, dtype, pinned)
 
 
-def _warn(message):
+def _warn(message: str) -> None:
     sys.stderr.write(f"elastic: warning: {message}\n")
     sys.stderr.flush()
 
@@ -100,9 +102,10 @@ class Checkpointer:
         # Test hooks: slow down phase 1 (while the buffers are read) / phase 2 (durability).
         self.test_hold_s = env_float(protocol.ENV_CHECKPOINT_TEST_HOLD, 0.0)
         self.test_delay_s = env_float(protocol.ENV_CHECKPOINT_TEST_DELAY, 0.0)
-        self.resumed_from = None     # {"version", "path"} once a checkpoint was loaded
-        self.stats = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
-                      "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0, "last": None}
+        self.resumed_from: dict[str, Any] | None = None   # {"version", "path"} once one was loaded
+        self.stats: dict[str, Any] = {"checkpoints": 0, "bytes_written": 0, "bytes_total": 0, "failures": 0,
+                                      "deferred": 0, "swapped_commits": 0, "swapped_bytes": 0,
+                                      "last": None}
         self._state: State | None = None
         self._round: RoundView | None = None   # the RoundView of the last sync (None: standalone)
         self._world_size = 1
@@ -110,21 +113,21 @@ class Checkpointer:
         self._resume_tried = False
         self._wants_lock = False     # rank 0 of the current round: should be the writer
         self._retry_at = 0.0         # no lock attempt before this (monotonic)
-        self._busy_since = None      # the lock has been held by someone else since
-        self._trouble = None         # what failed, while checkpoints are off (one warning)
+        self._busy_since: float | None = None   # the lock has been held by someone else since
+        self._trouble: str | None = None        # what failed, while checkpoints are off (one warning)
         self._trouble_mu = threading.Lock()
         self._last_version = -1      # newest version on disk, as far as the writer knows
         self._since_commits = 0
         self._last_time = time.monotonic()
         self._cond = threading.Condition()
         self._mu = threading.Lock()
-        self._unread: dict = {}  # index -> snapshot buffer the writer has yet to read
-        self._retired: list = []  # buffers swapped out of the snapshot while being read
-        self._spares: dict = {}  # (shape, dtype, pinned) -> buffers to reuse
+        self._unread: dict[int, torch.Tensor] = {}  # index -> snapshot buffer the writer has yet to read
+        self._retired: list[torch.Tensor] = []  # buffers swapped out of the snapshot while being read
+        self._spares: dict[SpareKey, list[torch.Tensor]] = {}  # buffers to reuse
         self._busy = False
-        self._job = None
+        self._job: Job | None = None
         self._closing = False
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self._atexit: Callable[..., None] | None = None
 
     @property
@@ -198,9 +201,9 @@ class Checkpointer:
                     self.stats["swapped_bytes"] += buf.numel() * buf.element_size()
             self.stats["swapped_commits"] += 1
 
-    def _recycle(self, buffers):
+    def _recycle(self, buffers: list[torch.Tensor]) -> None:
         """Retired buffers become spares; keep no more spares than the snapshot has buffers."""
-        wanted = {}
+        wanted: dict[SpareKey, int] = {}
         for b in buffers:
             key = (tuple(b.shape), b.dtype, b.is_pinned())
             wanted[key] = wanted.get(key, 0) + 1
@@ -258,7 +261,7 @@ class Checkpointer:
         self._lock.release()
 
     # -- internals ------------------------------------------------------------------------
-    def _resume(self, state):
+    def _resume(self, state: State) -> None:
         """Load the newest checkpoint that loads; without the lock, read-only (nothing
         quarantined). resume.py says what happens to the ones that cannot be used."""
         try:
@@ -279,7 +282,7 @@ class Checkpointer:
         self._tell_driver(version)
         log.info("resumed from checkpoint %s (commit %s)", path, version)
 
-    def _submit(self, version, snap):
+    def _submit(self, version: int, snap: Snapshot) -> None:
         with self._cond:
             if self._busy:
                 self.stats["deferred"] += 1
@@ -298,11 +301,11 @@ class Checkpointer:
                 self._thread.start()
             self._cond.notify_all()
 
-    def _prefill_spares(self, buffers):
+    def _prefill_spares(self, buffers: list[torch.Tensor]) -> None:
         """Pinned allocation is slow (cudaHostAlloc) and must not land on the training
         thread: make here, on the writer thread, the spares that a commit during this
         write will swap in (``before_save``)."""
-        wanted = {}
+        wanted: dict[SpareKey, int] = {}
         for b in buffers:
             if b.is_pinned():
                 key = (tuple(b.shape), b.dtype, True)
@@ -316,10 +319,10 @@ class Checkpointer:
                 with self._mu:
                     self._spares.setdefault(key, []).extend(fresh)
 
-    def _job_of(self, version, snap):
+    def _job_of(self, version: int, snap: Snapshot) -> Job:
         return version, snap.skeleton, list(snap.buffers), self._world_size
 
-    def _writer(self):
+    def _writer(self) -> None:
         while True:
             with self._cond:
                 while self._job is None and not self._closing:
@@ -337,7 +340,7 @@ class Checkpointer:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, job):
+    def _write(self, job: Job) -> None:
         version, skeleton, buffers, size = job
         try:
             result = write_checkpoint(
@@ -357,14 +360,14 @@ class Checkpointer:
         self.stats["bytes_total"] += result["bytes_total"]
         self.stats["last"] = result
 
-    def _read(self, index):
+    def _read(self, index: int | None) -> None:
         with self._mu:
             if index is None:
                 self._unread = {}
             else:
                 self._unread.pop(index, None)
 
-    def _acquire(self, wait_s):
+    def _acquire(self, wait_s: float) -> None:
         """Take the lock (``wait_s`` for another job, as long for this job's earlier
         writer), then clear what dead writers left. Raises whatever failed."""
         if self._lock.held:
@@ -380,7 +383,7 @@ class Checkpointer:
         self._since_commits, self._last_time = 0, time.monotonic()
         self._busy_since = None
 
-    def _try_acquire(self):
+    def _try_acquire(self) -> None:
         """One attempt that never waits; the next comes at a later commit."""
         now = time.monotonic()
         if self._lock.held or now < self._retry_at:
@@ -402,7 +405,7 @@ class Checkpointer:
             return
         self._recovered()
 
-    def _failed(self, what, exc):
+    def _failed(self, what: str, exc: BaseException) -> None:
         """Count a failure; warn about the first of a run of them only."""
         self.stats["failures"] += 1
         with self._trouble_mu:
@@ -411,20 +414,20 @@ class Checkpointer:
             _warn(f"{what} in {self.directory} failed ({exc}); training goes on without "
                   "checkpoints and tries again later")
 
-    def _recovered(self):
+    def _recovered(self) -> None:
         with self._trouble_mu:
             was, self._trouble = self._trouble, None
         if was is not None:
             log.info("checkpoints to %s work again", self.directory)
 
-    def _tell_driver(self, version):
+    def _tell_driver(self, version: int) -> None:
         """Heartbeats say the newest checkpoint: a job whose every holder of the state is
         gone may then resume from it (runner/holders.py)."""
         view = self._round
         if view is not None:
             view.progress.durable = max(view.progress.durable, int(version))
 
-    def _release(self):
+    def _release(self) -> None:
         if self._lock.held:
             self.wait(self.write_timeout_s)
             self._lock.release()

@@ -122,7 +122,7 @@ def read_manifest(path: str) -> dict[str, Any]:
     return body
 
 
-def _read_blob(directory, name, size):
+def _read_blob(directory: str, name: str, size: int) -> bytearray:
     data = storage.read_bytes(blob_path(directory, name))
     if len(data) != size or not blob_checks(name, data):
         storage.forget_blob(directory, name)
@@ -180,7 +180,7 @@ def load_newest(directory: str, warn: Warn | None = None,
     renamed, and a later load tries it again. An unusable one (a newer format, objects
     that do not unpickle) is reported and skipped, never renamed.
     """
-    def skipped(version, path, exc):
+    def skipped(version: int, path: str, exc: Unusable) -> None:
         if warn is not None:
             warn(f"checkpoint {path} cannot be used ({exc}); trying the previous one")
     return next(candidates(directory, warn, quarantine, skipped), None)
@@ -220,7 +220,7 @@ def candidates(directory: str, warn: Warn | None = None, quarantine: bool = Fals
         yield version, tree, path
 
 
-def _rename_quietly(path):
+def _rename_quietly(path: str) -> None:
     """Quarantine ``path`` as ``path.corrupt`` (kept for an operator to look at)."""
     try:
         os.replace(path, path + ".corrupt")

@@ -14,10 +14,14 @@ import json
 import os
 import socket
 import time
+from typing import TYPE_CHECKING, Any
 
 from elastic import protocol as control
 from elastic.checkpoint import storage
 from elastic.checkpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
 
 SAME_JOB_WAIT_S = 600.0
 
@@ -34,7 +38,7 @@ class DirectoryUsedTwice(CheckpointError):
     """Two Checkpointers of one process on one directory: a bug in the script."""
 
 
-def _file_lock(path, mode):
+def _file_lock(path: str, mode: int) -> BaseFileLock:
     """A flock-based FileLock, never a soft (marker-file) one: a soft lock outlives a
     killed holder. Without flock support, acquiring raises OSError."""
     from filelock import FileLock
@@ -48,7 +52,7 @@ class DirectoryLock:
     def __init__(self, directory: str, job_id: str) -> None:
         self.directory = directory
         self.job_id = job_id
-        self._lock = None
+        self._lock: BaseFileLock | None = None
 
     @property
     def held(self) -> bool:
@@ -84,7 +88,7 @@ class DirectoryLock:
             raise
         self._lock = lock
 
-    def _write_owner(self):
+    def _write_owner(self) -> None:
         owner = os.path.join(self.directory, "LOCK.owner")
         data = json.dumps({"job": self.job_id, "host": socket.gethostname(),
                            "pid": os.getpid()}).encode()
@@ -105,7 +109,7 @@ class DirectoryLock:
             except OSError:
                 pass            # the descriptor closes anyway, and with it the flock
 
-    def _owner(self):
+    def _owner(self) -> dict[str, Any]:
         try:
             with open(os.path.join(self.directory, "LOCK.owner")) as f:
                 owner = json.load(f)

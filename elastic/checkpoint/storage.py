@@ -49,14 +49,14 @@ def retrying(fn: Callable[[], T], what: str, delays: Sequence[float] = RETRY_DEL
     raise AssertionError("unreachable")
 
 
-def _describe(exc):
+def _describe(exc: OSError) -> str:
     name = os.strerror(exc.errno) if exc.errno else exc.__class__.__name__
     return f"{name}" + (f" [{exc.errno}]" if exc.errno else "")
 
 
 def read_bytes(path: str) -> bytearray:
     """A file's bytes, with retries (``Unreadable`` once they are used up)."""
-    def read():
+    def read() -> bytearray:
         with open(path, "rb") as f:
             return bytearray(f.read())
     return retrying(read, f"cannot read {os.path.basename(path)}")
@@ -64,7 +64,7 @@ def read_bytes(path: str) -> bytearray:
 
 def listdir(path: str) -> list[str]:
     """``os.listdir`` with retries; a missing directory is empty."""
-    def ls():
+    def ls() -> list[str]:
         try:
             return os.listdir(path)
         except FileNotFoundError:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from elastic.checkpoint.format import (
     encode_manifest,
     manifest_path,
 )
+
+if TYPE_CHECKING:
+    from elastic.checkpoint.format import Bytes
 
 
 def write_checkpoint(directory: str, version: int, skeleton: Any, tensors: Sequence[torch.Tensor],
@@ -54,17 +57,17 @@ def write_checkpoint(directory: str, version: int, skeleton: Any, tensors: Seque
     storage.make_dir(os.path.join(directory, BLOBS), like=directory)
     mode = storage.file_mode(directory)
 
-    def done(i):
+    def done(i: int | None) -> None:
         if released is not None and (i is None or i >= 0):
             released(i)
 
-    pending = []            # (temp path, final path) of every file written
-    new_blobs = []          # names of the blobs this checkpoint writes
-    sizes = {}
+    pending: list[tuple[str, str]] = []     # (temp path, final path) of every file written
+    new_blobs: list[str] = []               # names of the blobs this checkpoint writes
+    sizes: dict[str, int] = {}
     written = [0]
     io = _IOThread(done, mode)
 
-    def put(name, data, index=-1):
+    def put(name: str, data: Bytes, index: int = -1) -> None:
         if name not in sizes:
             sizes[name] = memoryview(data).nbytes
             if not _has_blob(directory, name, sizes[name]):
@@ -100,7 +103,7 @@ def write_checkpoint(directory: str, version: int, skeleton: Any, tensors: Seque
                                 "dtype": str(t.dtype).replace("torch.", ""),
                                 "shape": list(t.shape)})
             del views
-            if offsets:
+            if pack_name is not None:      # set when there are small tensors (offsets)
                 put(pack_name, pack)
             skeleton_bytes = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
             skeleton_name = content_name(skeleton_bytes)
@@ -145,26 +148,26 @@ class _IOThread:
     """Writes temp files in order on one thread (inline where no thread can start),
     then fsyncs them all when joined."""
 
-    def __init__(self, done, mode):
+    def __init__(self, done: Callable[[int | None], None], mode: int) -> None:
         self._done = done
         self._mode = mode
-        self._queue = queue.Queue()
-        self._error = None
-        self._unsynced = []
-        self._thread = threading.Thread(target=self._run, name="elastic-checkpoint-io",
-                                        daemon=True)
+        self._queue: queue.Queue[tuple[str, Bytes, int] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._unsynced: list[str] = []
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="elastic-checkpoint-io", daemon=True)
         try:
             self._thread.start()
         except RuntimeError:
             self._thread = None
 
-    def submit(self, path, data, index):
+    def submit(self, path: str, data: Bytes, index: int) -> None:
         if self._thread is None:
             self._write(path, data, index)
         else:
             self._queue.put((path, data, index))
 
-    def _write(self, path, data, index):
+    def _write(self, path: str, data: Bytes, index: int) -> None:
         if self._error is not None:
             self._done(index)       # skipped after an error; the tensor is free anyway
             return
@@ -175,7 +178,7 @@ class _IOThread:
         except BaseException as exc:  # noqa: BLE001 - re-raised by raise_error()
             self._error = exc
 
-    def _sync_all(self):
+    def _sync_all(self) -> None:
         try:
             for path in self._unsynced:
                 if self._error is None:
@@ -183,7 +186,7 @@ class _IOThread:
         except BaseException as exc:  # noqa: BLE001 - re-raised by raise_error()
             self._error = exc
 
-    def _run(self):
+    def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
@@ -191,14 +194,14 @@ class _IOThread:
                 return
             self._write(*item)
 
-    def join(self):
+    def join(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
         else:
             self._sync_all()
 
-    def raise_error(self):
+    def raise_error(self) -> None:
         if self._error is not None:
             raise self._error
 
@@ -213,7 +216,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _write_file(path, data, done, mode=storage.FILE_MODE, durable=True):
+def _write_file(path: str, data: Bytes, done: Callable[[], None] | None,
+                mode: int = storage.FILE_MODE, durable: bool = True) -> None:
     """Write, call ``done()`` (the data is no longer read), then fsync; or, when not
     ``durable``, only start the writeback (the caller fsyncs later)."""
     fd = storage.create_file(path, mode)
@@ -235,7 +239,7 @@ def _write_file(path, data, done, mode=storage.FILE_MODE, durable=True):
         os.close(fd)
 
 
-def _fsync_path(path):
+def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -243,7 +247,7 @@ def _fsync_path(path):
         os.close(fd)
 
 
-def _has_blob(directory, name, size):
+def _has_blob(directory: str, name: str, size: int) -> bool:
     """Reuse a blob only when it is known good (storage.py) and still there.
 
     Any other file of that name is written again: same name, same bytes.

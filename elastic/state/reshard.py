@@ -25,7 +25,7 @@ COPY_TAG = 1 << 16      # redundancy copies; reshard messages use small tags (pi
 HAND_OFF_TAG = 1 << 17  # shards a leaving rank hands off: + 16 * shard + dtype index
 
 
-def _dtype(name):
+def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
 
@@ -110,19 +110,21 @@ def reshard(group: PointToPoint | None, me: int, pieces: Iterable[Piece], meta: 
     fresh tensors. Returns (tensors, bytes received, bytes sent).
     """
     shapes = {key: (tuple(shape), d) for key, shape, d in meta}
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for key, (shape, d) in shapes.items():
         start, stop = shard_plan.rows(shape[0], new_n, me)
         want = (stop - start,) + shape[1:]
         given = (dest or {}).get(key)
-        ok = given is not None and tuple(given.shape) == want and given.is_contiguous()
-        out[key] = given if ok else torch.empty(want, dtype=_dtype(d))
+        if given is not None and tuple(given.shape) == want and given.is_contiguous():
+            out[key] = given
+        else:
+            out[key] = torch.empty(want, dtype=_dtype(d))
 
-    def into(p):
+    def into(p: Piece) -> torch.Tensor:
         start, _stop = shard_plan.rows(shapes[p.key][0][0], new_n, p.dst)
         return out[p.key][p.start - start: p.stop - start]
 
-    def source(p):
+    def source(p: Piece) -> torch.Tensor:
         start, _stop = shard_plan.rows(shapes[p.key][0][0], old_n, p.shard)
         return held[p.shard][p.key][p.start - start: p.stop - start]
 
@@ -132,6 +134,7 @@ def reshard(group: PointToPoint | None, me: int, pieces: Iterable[Piece], meta: 
         if p.src == me and p.dst == me:
             into(p).copy_(source(p))
         elif me in (p.src, p.dst):
+            assert group is not None, "only a piece kept on its rank needs no group"
             tag = count.get((p.src, p.dst), 0)      # the plan's order, alike on both sides
             count[(p.src, p.dst)] = tag + 1
             if p.src == me:

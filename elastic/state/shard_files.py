@@ -82,9 +82,10 @@ class ShardWriter:
             self._thread.join()
             self._thread = None
 
-    def _run(self, *args):
+    def _run(self, version: int, n: int, index: int, meta: Meta,
+             flats: dict[str, torch.Tensor], rest: bytes) -> None:
         try:
-            self._write(*args)
+            self._write(version, n, index, meta, flats, rest)
         except OSError as exc:      # a full or read-only disk never stops training
             if not self._warned:
                 sys.stderr.write(f"elastic: warning: writing the shard checkpoint to "
@@ -92,7 +93,8 @@ class ShardWriter:
                                  "again at the next commit\n")
                 self._warned = True
 
-    def _write(self, version, n, index, meta, flats, rest):
+    def _write(self, version: int, n: int, index: int, meta: Meta,
+               flats: dict[str, torch.Tensor], rest: bytes) -> None:
         folder = os.path.join(self.root, f"v{version:012d}-n{n}")
         os.makedirs(os.path.join(self.root, BLOBS), exist_ok=True)
         os.makedirs(folder, exist_ok=True)
@@ -113,7 +115,7 @@ class ShardWriter:
                     offset += len(data)
                 name = self._put(pack)
                 entries.update({k: [name, o, size] for k, (o, size) in offsets.items()})
-            body = {"format": FORMAT, "version": version, "n": n, "index": index,
+            body: dict[str, Any] = {"format": FORMAT, "version": version, "n": n, "index": index,
                     "byteorder": sys.byteorder, "meta": [list(m) for m in meta],
                     "tensors": entries,
                     "rest": [self._put(rest), len(rest)] if index == 0 else None}

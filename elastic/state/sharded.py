@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
@@ -35,6 +36,7 @@ from elastic.worker import collectives, fatal, runtime, torch_world
 from elastic.worker.waiting import run_blocking
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from elastic.state.shard_plan import Meta
@@ -61,13 +63,13 @@ class Generation:
                    for f in s.values())
 
 
-def _dumps(tree):
+def _dumps(tree: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(tree, buf)
     return buf.getvalue()
 
 
-def _loads(data):
+def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
@@ -113,7 +115,7 @@ class ShardedState(State):
                       "handed_off": 0, "hand_off_sent": 0}
 
     # -- what a commit holds --------------------------------------------------------
-    def _objects(self):
+    def _objects(self) -> dict[str, tuple[str, Any]]:
         out = {}
         for name in self._object_names:
             obj = getattr(self, name)
@@ -122,7 +124,7 @@ class ShardedState(State):
                 else ("value", obj)
         return out
 
-    def _load_objects(self, objects):
+    def _load_objects(self, objects: dict[str, tuple[str, Any]]) -> None:
         for name, (kind, value) in objects.items():
             live = getattr(self, name, None)
             h = handlers.handler_for(live) if live is not None else None
@@ -180,7 +182,7 @@ class ShardedState(State):
         """Commit the live state again as the current version (no collective check)."""
         self._promote(self._save(max(self._version, 0)))
 
-    def _save(self, version):
+    def _save(self, version: int) -> Generation:
         """A Generation of the live state: own shard copied, copies exchanged."""
         meta, sharded, rest = _parts().split_live(self.model, self.optimizer)
         me, n = _rank_size()
@@ -195,15 +197,17 @@ class ShardedState(State):
         gen.shards[me] = own
         w = runtime.worker()
         if w is not None and n > 1 and self.redundancy:
+            group = w.cpu_group
+            assert group is not None, "a world of n > 1: this worker is in a round"
             kept, sent = run_blocking(
-                lambda: reshard.exchange_copies(w.cpu_group, me, n, self.redundancy, meta, own),
+                lambda: reshard.exchange_copies(group, me, n, self.redundancy, meta, own),
                 "shard copies", w)
             gen.shards.update(kept)
             self.stats["copies_sent"] += sent
         gen.whole = True
         return gen
 
-    def _promote(self, gen):
+    def _promote(self, gen: Generation) -> None:
         self._gens = [gen]
         self._version = gen.version
 
@@ -253,13 +257,16 @@ class ShardedState(State):
                 self._resume_from_files(*found[0], me, n)
             else:
                 self._promote(self._save(0))       # a fresh job: the models as built
-            return self._after(started)
+            self._after(started)
+            return
         version, old_n = chosen
         root = min(r for r, held in enumerate(holdings) for v, k, _s in held
                    if (v, k) == chosen)
         gen = next((g for g in self._gens if (g.version, g.n) == chosen), None)
-        rest = collectives.broadcast_object(gen.rest if me == root else None, root) \
-            if runtime.worker() else gen.rest
+        if runtime.worker():
+            rest = collectives.broadcast_object(_rest_of(gen) if me == root else None, root)
+        else:
+            rest = _rest_of(gen)
         tree = _loads(rest)
         meta = tree["meta"]
         holders: dict[int, list[int]] = {}
@@ -287,22 +294,24 @@ class ShardedState(State):
         self._load_objects(tree["objects"])
         self.stats["resumed_from"] = version
         self._promote(self._save(version))    # the new layout, with its copies
-        return self._after(started)
+        self._after(started)
 
-    def _resume_from_files(self, version, old_n, folder, me, n):
+    def _resume_from_files(self, version: int, old_n: int, folder: str, me: int, n: int) -> None:
         """Load this rank's new shard from the files of a whole commit (only those it needs)."""
         meta, rest, flats = shard_files.read_for(folder, old_n, n, me)
         views = {i: reshard.shard_views(meta, old_n, i, f) for i, f in flats.items()}
         pieces = [p for p in shard_plan.plan(meta, old_n, {i: list(range(n)) for i in
                                                            range(old_n)}, n) if p.dst == me]
         shards, _got, _sent = reshard.reshard(None, me, pieces, meta, old_n, n, views)
+        if rest is None:        # shard 0 holds the replicated part (ShardWriter writes it)
+            raise shard_files.CorruptShard(f"{folder}: shard 0 has no replicated part")
         tree = _loads(rest)
         _parts().load_live(self.model, self.optimizer, tree["parts"], shards)
         self._load_objects(tree["objects"])
         self.stats["resumed_from"] = f"{folder} (commit {version} of {old_n} shards)"
         self._promote(self._save(version))
 
-    def _after(self, started):
+    def _after(self, started: float) -> None:
         for name in self._object_names:
             obj = getattr(self, name)
             h = handlers.handler_for(obj)
@@ -315,7 +324,7 @@ class ShardedState(State):
                 w.heartbeat.wake()
             w.progress.timed("sync", time.perf_counter() - started)
 
-    def _rebuild(self):
+    def _rebuild(self) -> None:
         """Build the model and optimizer on this round's mesh (once per round)."""
         group = _round_group()
         if group is self._built_for and self.model is not None:
@@ -342,14 +351,21 @@ class ShardedState(State):
         raise ElasticError("ShardedState loads shards; there is no full apply()")
 
 
-def _parts():
+def _rest_of(gen: Generation | None) -> bytes:
+    """The replicated part of ``gen``, on a rank that holds the commit chosen to resume
+    (the root of the sync, chosen from the holdings; standalone, the one rank)."""
+    assert gen is not None, "the root holds the chosen commit"
+    return gen.rest
+
+
+def _parts() -> ModuleType:
     """elastic.state.fsdp_parts, imported when first needed (DTensor's import is slow)."""
     from elastic.state import fsdp_parts
     return fsdp_parts
 
 
-def _round_group():
-    group = torch_world.current()
+def _round_group() -> dist.ProcessGroup | None:
+    group: dist.ProcessGroup | None = torch_world.current()
     if group is None and runtime.ensure_joined() is not None:   # inits; joins between rounds
         group = torch_world.current()
     if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -357,7 +373,7 @@ def _round_group():
     return group
 
 
-def _rank_size():
+def _rank_size() -> tuple[int, int]:
     w = runtime.worker()
     if w is not None and w.membership is not None:
         return w.membership.rank, w.membership.size

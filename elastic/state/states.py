@@ -13,6 +13,7 @@ import copy
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -22,11 +23,14 @@ from elastic.checkpoint.checkpointer import Checkpointer, resolve
 from elastic.state import handlers, transfer
 from elastic.state.snapshot import Arena, Snapshot, host_clone, join, numel_by_dtype, pack, split
 from elastic.worker import round_view
+from elastic.worker.membership import in_round
 
 if TYPE_CHECKING:
+    from elastic.state.transfer import Route
     from elastic.worker.round_view import RoundView
 
 _UNCOMMITTED = -1
+Clone = Callable[[torch.Tensor], torch.Tensor]    # copies a tensor out of the snapshot
 
 
 class State:
@@ -136,13 +140,13 @@ class State:
             self.apply(tree)
             self._remember_live()
 
-    def _copies(self, tree, clone):
+    def _copies(self, tree: dict, clone: Clone) -> dict:
         """``tree`` (sharing the snapshot's buffers) with every part apply() would keep
         replaced by a copy made by ``clone``: here every tensor, so the live state never
         aliases the snapshot; TorchState copies only what its handlers keep."""
         return _cloned(tree, clone)
 
-    def _take_arena(self):
+    def _take_arena(self) -> Clone:
         """The clone function for a restore: into the arena once (a newcomer's first
         restore, after its sync), into fresh memory after that."""
         arena, self._arena = self._arena, None
@@ -176,7 +180,7 @@ class State:
         holders = [r for r, (v, *_) in enumerate(infos) if v == newest]
         rt = transfer.route([tuple(i[:3]) for i in infos], infos[holders[0]][3])
         self.sync_stats["root"] = rt.root if rt is not None else holders[0]
-        me = view.membership.rank
+        me = in_round(view.membership).rank     # a state syncs inside a round
         if rt is not None and me in rt.senders:
             self._send(view, rt, me, live if ready else None)
         elif rt is not None and me in rt.receivers:
@@ -185,7 +189,7 @@ class State:
         view.progress.timed("sync", time.perf_counter() - started)
 
     # -- internals ------------------------------------------------------------------------------
-    def _reserve_for_sync(self):
+    def _reserve_for_sync(self) -> None:
         """A newcomer builds its state before it registers, so before it is admitted:
         the moment to allocate and touch the buffers its first sync will receive into,
         with the flats rank 0 published at its last commit (``newcomer_spec``). Then
@@ -215,11 +219,11 @@ class State:
         return {"flats": [list(x) for x in self._snapshot.specs()],
                 "copies": [list(x) for x in numel_by_dtype(kept)]}
 
-    def _remember_live(self):
+    def _remember_live(self) -> None:
         """The live state now equals the snapshot: a later sync may send the snapshot for it."""
         self._snapshot.remember(split(self.capture())[1])
 
-    def _after_sync(self, version):
+    def _after_sync(self, version: int) -> None:
         """Ranks that already held the newest commit keep their snapshot, and receivers
         received straight into theirs (``_receive``): no copy either way."""
         self._version = version
@@ -231,7 +235,8 @@ class State:
         if self._snapshot.empty:
             self.save()
 
-    def _send(self, view, rt, me, live):
+    def _send(self, view: RoundView, rt: Route, me: int,
+              live: tuple[Any, list[torch.Tensor]] | None) -> None:
         """Send this rank's share of the commit down the receivers' chain.
 
         ``live``: the (skeleton, tensors) just captured, when the tensors are unchanged
@@ -241,22 +246,26 @@ class State:
         gets here then) the live state is packed into fresh buffers first.
         """
         if live is not None:
-            header, flats = self._snapshot.header(live[0]), self._snapshot.flats()
+            header, held = self._snapshot.header(live[0]), self._snapshot.flats()
+            assert held is not None, "unchanged() holds only while the flats are intact"
+            flats = held
         else:
             header, flats = pack(self.capture())
         group = view.cpu_group
+        assert group is not None, "a state syncs inside a round"
 
-        def send():
+        def send() -> int:
             if me == rt.root:
                 transfer.relay_header(group, header, rt, me)
             return transfer.send_share(group, flats, rt, me)
         self.sync_stats["bytes_sent"] += view.run_blocking(send, "state send")
 
-    def _receive(self, view, rt, me):
+    def _receive(self, view: RoundView, rt: Route, me: int) -> None:
         """Receive into the snapshot's own flat buffers when the layout matches (memory
         already touched), else into new ones, forwarding each chunk down the chain as it
         lands; then load the live objects from the snapshot."""
         group = view.cpu_group
+        assert group is not None, "a state syncs inside a round"
         header = view.run_blocking(
             lambda: transfer.relay_header(group, None, rt, me), "state header")
         snap = self._snapshot
@@ -288,7 +297,7 @@ class State:
         self.restore()
 
 
-def _max_senders():
+def _max_senders() -> int:
     """Most ranks that stripe one sync (ELASTIC_SYNC_MAX_SENDERS, default 8); the value
     of the first rank holding the newest commit counts, so all ranks agree."""
     try:
@@ -314,7 +323,7 @@ class ObjectState(State):
             setattr(self, name, copy.deepcopy(value))
 
 
-def _cloned(tree, clone=host_clone):
+def _cloned(tree: Any, clone: Clone = host_clone) -> Any:
     _skeleton, tensors = split(tree)
     return join(_skeleton, [clone(t) for t in tensors])
 
@@ -348,25 +357,25 @@ class TorchState(ObjectState):
         super().__init__(**kwargs)
         self.model = model
         self.optimizer = optimizer
-        self._checkpoint = resolve(elastic_checkpoint)
-        if self._checkpoint is not None:
+        self._checkpoint = checkpoint = resolve(elastic_checkpoint)
+        if checkpoint is not None:
             # Looked up at each commit: the bench wraps the checkpointer's hooks.
-            self.add_commit_listener(lambda version, snap: self._checkpoint.committed(version, snap))
+            self.add_commit_listener(lambda version, snap: checkpoint.committed(version, snap))
         for name in self._names():
             handler = handlers.handler_for(getattr(self, name))
             if handlers.is_horovod_style(handler):
                 self._horovod[name] = handler(getattr(self, name))
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         horovod = self.__dict__.get("_horovod")
         if horovod and name in horovod:
             horovod[name].set_value(value)
         super().__setattr__(name, value)
 
-    def _names(self):
+    def _names(self) -> list[str]:
         return list(self._ROOTS) + self._object_names
 
-    def _handled(self):
+    def _handled(self) -> Iterator[tuple[str, Any, handlers.Handler]]:
         """(name, object, Handler) for every attribute that has a (native) handler."""
         for name in self._names():
             if name in self._horovod:
@@ -387,7 +396,7 @@ class TorchState(ObjectState):
         for handler in self._horovod.values():
             handler.restore()
 
-    def _copies(self, tree, clone):
+    def _copies(self, tree: dict, clone: Clone) -> dict:
         """Load straight from the snapshot where the handler copies out (modules), and
         from copies elsewhere (an optimizer keeps the tensors it is given)."""
         for key in self._ROOTS:
@@ -399,7 +408,7 @@ class TorchState(ObjectState):
                 objects[name] = (kind, _cloned(value, clone))
         return tree
 
-    def _shares(self, name):
+    def _shares(self, name: str) -> bool:
         handler = handlers.handler_for(getattr(self, name, None))
         return isinstance(handler, handlers.Handler) and handler.shares
 

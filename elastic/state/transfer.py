@@ -95,12 +95,12 @@ def chunks(flats: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _piece(flats, chunk):
+def _piece(flats: Sequence[torch.Tensor], chunk: tuple[int, int, int]) -> torch.Tensor:
     i, start, end = chunk
     return flats[i].view(-1).view(torch.uint8)[start:end]
 
 
-def _tag(c):
+def _tag(c: int) -> int:
     return 1 + c      # tag 0 carries the header
 
 
@@ -147,6 +147,7 @@ def relay_header(group: PointToPoint, header: bytes | None, rt: Route, me: int) 
     Returns the header bytes (on the root, the ones given).
     """
     if me == rt.root:
+        assert header is not None, "the root sends the header it is given"
         _send_bytes(group, header, rt.receivers[0])
         return header
     i = rt.receivers.index(me)
@@ -162,7 +163,7 @@ def relay_header(group: PointToPoint, header: bytes | None, rt: Route, me: int) 
     return header
 
 
-def _send_bytes(group, data, dst):
+def _send_bytes(group: PointToPoint, data: bytes, dst: int) -> None:
     body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     length = torch.tensor([body.numel()], dtype=torch.int64)
     group.send([length], dst, 0).wait()
