@@ -7,7 +7,7 @@ from typing import Any
 ROUNDS_PRINTED = 5
 
 
-def _duration(seconds):
+def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     seconds = float(seconds)
@@ -18,7 +18,7 @@ def _duration(seconds):
     return f"{hours}h{minutes:02d}m{s:02d}s" if hours else f"{minutes}m{s:02d}s"
 
 
-def _bytes(n):
+def _bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -26,7 +26,7 @@ def _bytes(n):
     return f"{n:.1f} TB"
 
 
-def _number(value, digits=4):
+def _number(value: object, digits: int = 4) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -34,7 +34,7 @@ def _number(value, digits=4):
     return str(value)
 
 
-def _table(rows):
+def _table(rows: list[tuple[Any, ...]]) -> list[str]:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
@@ -100,7 +100,7 @@ def render(status: dict[str, Any], label: str) -> str:
     return "\n".join(lines)
 
 
-def _checkpoint(state):
+def _checkpoint(state: dict[str, Any] | None) -> str:
     if state is None:
         return "no --checkpoint-dir"
     newest = state.get("newest")

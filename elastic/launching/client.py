@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, NoReturn, Union
 
 import cloudpickle
 
@@ -232,7 +232,7 @@ def elasticrun_flags(np: int, min_np: int | None, max_np: int | None, hosts: Hos
     return flags
 
 
-def _hosts_arg(hosts):
+def _hosts_arg(hosts: HostsArg) -> str:
     if isinstance(hosts, str):
         return hosts
     if isinstance(hosts, dict):
@@ -324,9 +324,10 @@ def run_elasticrun(argv: list[str], env: Mapping[str, str], timeout: float | Non
     return code, list(errors)
 
 
-def _pass_through(name, quiet, keep):
+def _pass_through(name: str, quiet: bool, keep: collections.deque[str] | None,
+                  ) -> Callable[[bytes], None]:
     """A line handler: keep the line (``keep``: a deque, or None), echo it unless quiet."""
-    def handle(raw):
+    def handle(raw: bytes) -> None:
         line = raw.decode("utf-8", "replace")
         if keep is not None:
             keep.append(line)
@@ -340,7 +341,7 @@ def _pass_through(name, quiet, keep):
     return handle
 
 
-def _terminate(proc):
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM: elasticrun stops its workers and exits; SIGKILL if it does not."""
     if proc.poll() is not None:
         return
@@ -393,7 +394,7 @@ class Outcome:
                              failed and failed["worker_id"], host=failed and failed["host"])
         return [records[r]["value"] for r in range(size)]
 
-    def _raise(self, why, error_line, code):
+    def _raise(self, why: str, error_line: str | None, code: int) -> NoReturn:
         named = _WORKER_RE.search(error_line or "")
         raise self.error(why, code, named.group(1) if named else None,
                          host=named.group(2) if named else None, error_line=error_line)
@@ -403,7 +404,7 @@ class Outcome:
         """A LaunchError about worker ``wid``: what its function raised, what
         elasticrun said, and the tail of its stderr."""
         records = self._error_records()
-        record = records.get(wid)
+        record = records.get(wid) if wid is not None else None
         if record is None and records:
             # No record from the named worker (or none named): the first worker whose
             # function raised tells the most.
@@ -448,7 +449,7 @@ class Outcome:
             block.append(line)
         return block
 
-    def _final_round(self):
+    def _final_round(self) -> dict[str, Any] | None:
         finished = [e for e in self.events if e.get("event") == "job_finished"]
         if not finished:
             return None
@@ -459,9 +460,9 @@ class Outcome:
                 members = e.get("members")
         return {"round": round_id, "members": members}
 
-    def _records(self, round_id):
+    def _records(self, round_id: object) -> dict[int, Any]:
         folder = os.path.join(self.results_dir, f"round.{round_id}")
-        records = {}
+        records: dict[int, Any] = {}
         if not os.path.isdir(folder):
             return records
         for name in os.listdir(folder):
@@ -472,7 +473,7 @@ class Outcome:
             records[record["rank"]] = record
         return records
 
-    def _error_records(self):
+    def _error_records(self) -> dict[str, Any]:
         folder = os.path.join(self.results_dir, ERRORS)
         records = {}
         for name in os.listdir(folder) if os.path.isdir(folder) else ():
@@ -485,7 +486,7 @@ class Outcome:
                     continue
         return records
 
-    def _stderr_tail(self, wid):
+    def _stderr_tail(self, wid: str) -> str | None:
         path = os.path.join(self.log_dir or "", f"worker.{wid}", "stderr")
         try:
             with open(path, "rb") as f:
@@ -498,7 +499,7 @@ class Outcome:
         return "\n".join(lines) if lines else None
 
 
-def _read_events(path):
+def _read_events(path: str) -> list[Any]:
     try:
         events = read_json_lines(path)
     except OSError:
@@ -509,5 +510,5 @@ def _read_events(path):
     return events[starts[-1]:] if starts else events
 
 
-def _id_key(wid):
+def _id_key(wid: str) -> tuple[int, int, str]:
     return (0, int(wid), "") if str(wid).isdigit() else (1, 0, str(wid))

@@ -18,17 +18,18 @@ import socket
 import sys
 import time
 import traceback
+from typing import Any
 
 from elastic import protocol
 
 ERRORS = "errors"
 
 
-def _worker_id():
+def _worker_id() -> str:
     return os.environ.get(protocol.ENV_WORKER_ID, "solo")
 
 
-def _current_rank():
+def _current_rank() -> int | None:
     """The rank of the round this worker is in, without joining one."""
     from elastic.worker import runtime
     membership = runtime.current_membership()
@@ -37,7 +38,7 @@ def _current_rank():
     return protocol.rank_from_env()
 
 
-def _write_atomic(path, data):
+def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -45,7 +46,7 @@ def _write_atomic(path, data):
     os.replace(tmp, path)
 
 
-def _record_error(results_dir, exc):
+def _record_error(results_dir: str, exc: BaseException) -> None:
     try:
         rank = _current_rank()
     except Exception:  # noqa: BLE001 - the record must not hide the original error
@@ -67,7 +68,7 @@ def _record_error(results_dir, exc):
         sys.stderr.write(f"elastic.launching.worker: cannot record the error: {err}\n")
 
 
-def _load(payload_path):
+def _load(payload_path: str) -> Any:      # the pickled (fn, args, kwargs)
     with open(payload_path, "rb") as f:
         payload = pickle.load(f)
     for entry in payload["sys_path"]:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import cloudpickle
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastic.ray")
 
 
-def _free_port():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -105,7 +105,7 @@ class RayExecutor:
             fits.append(int(resources.get("GPU", 0) // self.gpus_per_worker))
         return min(fits)
 
-    def _watch(self, spec, stop):
+    def _watch(self, spec: dict[str, Any], stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 self._place_agents(spec)
@@ -114,7 +114,7 @@ class RayExecutor:
                 log.warning("elastic.ray: watching the cluster failed: %s", exc)
             stop.wait(self.watch_interval)
 
-    def _place_agents(self, spec):
+    def _place_agents(self, spec: dict[str, Any]) -> None:
         for node in ray.nodes():
             node_id = node["NodeID"]
             if not node.get("Alive") or node_id in self._agents or node_id in self._dead:
@@ -122,7 +122,8 @@ class RayExecutor:
             slots = self.slots_of(node.get("Resources", {}))
             if slots < 1:
                 continue
-            actor = AgentActor.options(
+            # ray.remote made the class an ActorClass, which ray's hints do not say
+            actor = AgentActor.options(  # type: ignore[attr-defined]
                 num_cpus=slots * self.cpus_per_worker, num_gpus=slots * self.gpus_per_worker,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote()
@@ -131,7 +132,7 @@ class RayExecutor:
             with self._lock:
                 self._agents[node_id] = (actor, ref)
 
-    def _notice_deaths(self):
+    def _notice_deaths(self) -> None:
         with self._lock:
             refs = {ref: node for node, (_, ref) in self._agents.items()}
         if not refs:
@@ -198,12 +199,13 @@ class RayExecutor:
             self._dead.clear()
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _collect(self, tmp):
+    def _collect(self, tmp: str) -> None:
         """Bring the result files of every node here (they are written where the worker ran)."""
         top = os.path.join(tmp, "results")
         for actor, _ in list(self._agents.values()):
             try:
-                files = ray.get(actor.results.remote(tmp), timeout=60)
+                files = cast("dict[str, bytes]",      # what AgentActor.results returns
+                             ray.get(actor.results.remote(tmp), timeout=60))
             except Exception:  # noqa: BLE001 - a dead node's results were not final anyway
                 continue
             for rel, data in files.items():
