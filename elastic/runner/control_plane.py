@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic import protocol as control
@@ -187,7 +187,7 @@ class DriverControl:
         if round_id in self._assembling:
             self._settle(round_id, False)   # members waiting to assemble give up at once
 
-    def _settle(self, round_id, ok):
+    def _settle(self, round_id: int, ok: bool) -> None:
         _, ids = self._assembling.pop(round_id)
         self._bells.pop(round_id, None)
         self._full_looks.pop(("arrivals", round_id), None)
@@ -196,7 +196,7 @@ class DriverControl:
             self.store.forget(Keys.member(round_id, wid))
 
     @staticmethod
-    def _round_keys(round_id, ids):
+    def _round_keys(round_id: int, ids: Iterable[str]) -> list[str]:
         keys = [Keys.plan(round_id), Keys.assembled(round_id), Keys.abort(round_id),
                 Keys.arrivals(round_id),
                 Keys.failures(round_id), Keys.pause(round_id)]
@@ -219,7 +219,8 @@ class DriverControl:
             control.keepalive_on_accepted(self.port)
         return found
 
-    def _verified(self, bell, awaited, key_of, look, now):
+    def _verified(self, bell: control.Doorbell, awaited: Collection[str],
+                  key_of: Callable[[str], str], look: Hashable, now: float | None) -> set[str]:
         """The awaited names whose sealed key holds a value. Every awaited key is looked
         at once the doorbell has brought no verified name for FULL_LOOK_S (it may have
         been wiped): while names stream in, such a look (thousands of reads in a big

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 _SETPRIV = shutil.which("setpriv")
 
 
-def _die_with_parent(command):
+def _die_with_parent(command: Sequence[str]) -> list[str]:
     """Run through setpriv so the kernel kills the worker if the driver dies
     (a preexec_fn is unsafe while output threads run)."""
     if _SETPRIV and sys.platform.startswith("linux"):
@@ -108,7 +108,7 @@ def local_names() -> set[str]:
     return names
 
 
-def _normal_ip(host):
+def _normal_ip(host: str) -> str | None:
     try:
         return ipaddress.ip_address(host.strip("[]")).compressed
     except ValueError:
@@ -214,7 +214,7 @@ class OutputSink:
         for line in lines:
             self._show(worker_id, name, line)
 
-    def _show(self, worker_id, name, line):
+    def _show(self, worker_id: str, name: str, line: str) -> None:
         with self._lock:
             if name == "stderr":
                 tail = self._tails.get(worker_id)

@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # The same names as elastic.control (a test checks that they agree).
@@ -114,9 +114,9 @@ def secret_pipe(secret: bytes) -> int:
     return read_end
 
 
-def _die_with_parent(parent):
+def _die_with_parent(parent: int) -> Callable[[], None]:
     """In the child before exec: SIGKILL it when this bootstrap dies (Linux)."""
-    def preexec():
+    def preexec() -> None:
         if sys.platform.startswith("linux"):
             try:
                 import ctypes
@@ -128,7 +128,7 @@ def _die_with_parent(parent):
     return preexec
 
 
-def _kill_group(child, sig):
+def _kill_group(child: subprocess.Popen[bytes], sig: int) -> None:
     if child.returncode is None:
         try:
             os.killpg(child.pid, sig)
@@ -136,7 +136,7 @@ def _kill_group(child, sig):
             pass
 
 
-def _watch_stdin(child, fd=0):
+def _watch_stdin(child: subprocess.Popen[bytes], fd: int = 0) -> None:
     """End of stdin: the ssh connection or the driver is gone, so is the worker."""
     try:
         while os.read(fd, 65536):
@@ -146,7 +146,7 @@ def _watch_stdin(child, fd=0):
     _kill_group(child, signal.SIGKILL)
 
 
-def _fail(message):
+def _fail(message: str) -> int:
     sys.stderr.write(f"elasticrun remote ({os.uname().nodename}): {message}\n")
     sys.stderr.flush()
     return BOOTSTRAP_FAILED
