@@ -98,8 +98,6 @@ BAD_INPUT = [
     _case("repeat_limit_zero", ["-np", "1", "--repeat-limit", "0", "true"], ["--repeat-limit"]),
     _case("warm_spare_with_serve", ["--serve", "-np", "1", "--warm-spare", "true"],
           ["--warm-spare", "--serve"]),
-    _case("warm_spare_with_join", ["--join", "127.0.0.1:1", "--warm-spare", "true"],
-          ["--warm-spare", "--join"]),
     _case("slots_per_host_zero", ["-np", "1", "--slots-per-host", "0", "true"],
           ["--slots-per-host"]),
     _case("elastic_timeout_zero", ["-np", "1", "--elastic-timeout", "0", "true"],

@@ -108,3 +108,44 @@ def test_a_crashed_worker_is_replaced_by_the_warm_spare_and_nothing_is_lost(tmp_
     while spares_of(job.out) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert spares_of(job.out) == []                      # the next spare went with the job
+
+
+def children_running_the_spare(parent):
+    """Pids of ``parent``'s children whose command line runs launching/spare.py."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and any(a.endswith(b"launching/spare.py") for a in argv):
+            found.append(int(name))
+    return found
+
+
+def test_a_joining_agent_keeps_a_spare_for_its_host(join_job):
+    job = join_job(["-np", "2", "--min-np", "1", "--worker-timeout", "10",
+                    "--blacklist-cooldown-range", "1", "2"], env={"JOB_HOLD": "3,8"}).start()
+    agent = job.join("node-a", extra=["--warm-spare"])
+    job.join("node-b")
+    job.wait_step(3, size=2)
+    job.wait_for(lambda: children_running_the_spare(agent.pid), "node-a's warm spare")
+    (spare,) = children_running_the_spare(agent.pid)
+    assert not [k for k in environ(spare) if k.startswith("ELASTIC_")]
+    (victim,) = [pid for pid, e in job_workers(job.out).items()
+                 if e["ELASTIC_HOSTNAME"] == "node-a"]
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(lambda: f"a warm spare became it (pid {spare})" in job.agent_output("node-a"),
+                 "node-a's spare to become the replacement after the cooldown")
+    job.release(3)
+    job.wait_for(lambda: re.search(r"round \d+: 2 workers \(\+1 on node-a\)", job.output()),
+                 "the replacement to join")
+    job.release(8)
+    job.assert_ok(job.finish(), final_size=2)
+    assert job.wait_agent("node-a") == 0
+    assert children_running_the_spare(agent.pid) == []

@@ -44,9 +44,11 @@ from elastic.runner.agent_outbox import (  # noqa: F401 - tests read the bounds 
     ForwardingSink,
     Outbox,
 )
+from elastic.runner.spares import Spares
 
 log = logging.getLogger("elasticrun")
 TICK_S = 0.1
+SPARE_AFTER_S = 5.0     # --warm-spare: a spare starts once no worker started here this long
 BEAT_S = 0.5
 HELLO_WAIT_S = 3.0          # a wrong secret is told after this long at most
 ACCEPT_WAIT_S = 30.0
@@ -73,6 +75,7 @@ class AgentConfig:
     output_dir: str | None = None
     quiet: bool = False               # True: forward output to the driver only
     driver_grace: float = DEFAULT_DRIVER_GRACE_S   # keep the workers this long without a driver
+    warm_spare: bool = False          # a started python that becomes the next worker (spares.py)
 
 
 def read_secret_file(path: str) -> bytes:
@@ -107,6 +110,8 @@ class Agent:
         self.unread: dict[str, int] = {}   # ended id -> report it went in (0: not sent yet)
         self.acked_beat = 0
         self._signals: list[int] = []
+        self.spares = Spares(cfg.command) if cfg.warm_spare else None
+        self._spawned_at = 0.0             # when this agent last started a worker
 
     # -- joining --------------------------------------------------------------------
     def join(self) -> None:
@@ -197,6 +202,7 @@ class Agent:
                 self._take_requests()
                 self._reap()
                 self._report()
+                self._refill_spare(now)
             except (RuntimeError, ControlError, OSError):
                 self._wait_for_driver()
             deadline = self.drain_deadline         # set when draining began
@@ -364,12 +370,31 @@ class Agent:
             protocol.ENV_SECRET: protocol.worker_key(self.secret),     # never the job secret
             protocol.ENV_DRIVER_PID: str(os.getpid()),
             protocol.ENV_DRIVER_GRACE: str(self.cfg.driver_grace)})
+        self._spawned_at = time.monotonic()
+        spare = self.spares.take(env) if self.spares is not None else None
+        if self.spares is not None:
+            self.spares.note_worker(env)
+        if spare is not None:
+            log.info("worker %s: a warm spare became it (pid %d)", worker_id, spare.pid)
+            self.workers[worker_id] = launcher.adopt_local(worker_id, self.cfg.host_name, spare,
+                                                           self.sink)
+            return
         try:
             self.workers[worker_id] = launcher.start_local(
                 worker_id, self.cfg.host_name, self.cfg.command, env, self.sink)
         except OSError as exc:
             log.warning("cannot start %r: %s", self.cfg.command[0], exc.strerror)
             self.outbox.exited(worker_id, 127)
+
+    def _refill_spare(self, now: float) -> None:
+        """--warm-spare: start the spare once this host's workers have run a while (the
+        agent cannot see the round; SPARE_AFTER_S keeps the spare off a round's start)."""
+        if self.spares is None:
+            return
+        if self.draining or not self.workers or now - self._spawned_at < SPARE_AFTER_S:
+            return
+        if self.spares.refill():
+            log.debug("a warm spare is starting")
 
     def _reap(self):
         for worker_id, worker in list(self.workers.items()):
@@ -451,7 +476,11 @@ def run_agent(cfg: AgentConfig) -> int:
         signal.signal(signal.SIGTERM, agent.on_signal)
         signal.signal(signal.SIGINT, agent.on_signal)
         agent.join()
-        return agent.serve()
+        try:
+            return agent.serve()
+        finally:
+            if agent.spares is not None:
+                agent.spares.close()
     except AgentFailed as exc:
         sys.stderr.write(f"elasticrun: error: {exc}\n")
         return 1

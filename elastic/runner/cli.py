@@ -78,9 +78,10 @@ def build_parser() -> Parser:
     p.add_argument("--evict-stragglers", action="store_true",
                    help="evict a straggler (its host is blacklisted) instead of only warning")
     p.add_argument("--warm-spare", action="store_true",
-                   help="keep one started python per local host that has imported torch, and "
-                        "make it the next worker started there: a replacement after a crash "
-                        "skips the imports (needs a command of the form PYTHON SCRIPT.py ...)")
+                   help="keep one started python on this machine (with --join: on the agent's "
+                        "host) that has imported torch, and make it the next worker started "
+                        "there: a replacement after a crash skips the imports (needs a command "
+                        "of the form PYTHON SCRIPT.py ...)")
     p.add_argument("--output-filename", dest="output_dir",
                    help="directory for per-worker stdout/stderr files (and error.json)")
     p.add_argument("--timestamp-output", "--prefix-output-with-timestamp",

@@ -82,8 +82,8 @@ class JobConfig:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         serving = None
         if args.serve and getattr(args, "warm_spare", False):
-            raise UsageError("--warm-spare works for workers the driver starts itself, not "
-                             "with --serve")
+            raise UsageError("--warm-spare goes on the hosts that start workers: with --join "
+                             "(each agent keeps one), not --serve")
         if args.serve:
             try:
                 serving = serve.serve_settings(args, command)

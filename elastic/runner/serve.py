@@ -80,9 +80,6 @@ def agent_config(args: argparse.Namespace, command: list[str]) -> AgentConfig:
         raise ValueError("give either --serve (the driver) or --join (an agent), not both")
     if not command:
         raise ValueError("--join needs the training command to run on this host")
-    if getattr(args, "warm_spare", False):
-        raise ValueError("--warm-spare works for workers the driver starts itself, not with "
-                         "--join")
     host, port = parse_address(args.join)
     read_secret(args.secret_file)
     name = args.host_name or socket.gethostname()
@@ -103,4 +100,5 @@ def agent_config(args: argparse.Namespace, command: list[str]) -> AgentConfig:
     return AgentConfig(driver_host=host, driver_port=port, secret_file=args.secret_file,
                        command=command, host_name=name, slots=slots,
                        connect_timeout=args.join_timeout, stop_timeout=args.stop_timeout,
-                       output_dir=args.output_dir, driver_grace=args.driver_grace)
+                       output_dir=args.output_dir, driver_grace=args.driver_grace,
+                       warm_spare=bool(getattr(args, "warm_spare", False)))
