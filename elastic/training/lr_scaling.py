@@ -130,7 +130,8 @@ class LRScaler:
         self.size: int = 0      # update() reads it next
         self.factor = 1.0
         self.update()   # validates rule and sizes before any hook is installed
-        self._swapped = None   # [(group, unscaled, scaled)] while a step is running
+        # [(group, unscaled, scaled)] while a step is running
+        self._swapped: list[tuple[dict[str, Any], Any, Any]] | None = None
         self._handles = [self._opt.register_step_pre_hook(self._before_step),
                          self._opt.register_step_post_hook(self._after_step)]
         self._norms = None
@@ -232,7 +233,7 @@ class LRScaler:
             del LRScaler._attached[self._opt]
 
     # -- hooks ---------------------------------------------------------------------------
-    def _restore(self):
+    def _restore(self) -> None:
         """Put the unscaled lrs back, unless something (load_state_dict, a scheduler)
         replaced the value we wrote: then that newer value is the unscaled one."""
         swapped, self._swapped = self._swapped, None
@@ -240,12 +241,13 @@ class LRScaler:
             if group["lr"] is scaled:
                 group["lr"] = unscaled
 
-    def _before_step(self, optimizer, args, kwargs):
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> None:
         self._restore()   # a step that raised never ran _after_step
         if self._norms is not None and self._norms.hooked:
             self._norms.step_done()      # DDP reduced this step's gradients in backward
         factor = self.update()
-        swapped = []
+        swapped: list[tuple[dict[str, Any], Any, Any]] = []
         for group in self._opt.param_groups:
             unscaled = group["lr"]
             scaled = unscaled * factor
@@ -253,7 +255,8 @@ class LRScaler:
             swapped.append((group, unscaled, scaled))
         self._swapped = swapped
 
-    def _after_step(self, optimizer, args, kwargs):
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> None:
         self._restore()
         self.progress += self.factor
         self.steps += 1

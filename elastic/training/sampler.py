@@ -90,7 +90,8 @@ class ElasticSampler(Sampler):
         self._local = 0         # samples this rank consumed since then (global batches, in
                                 # global-batch mode)
         self._rank, self._size = 0, 1
-        self._perm_cache = None  # (epoch, seed, shuffle, order, head, perm); derived, never saved
+        # (epoch, seed, shuffle, order, id(head), perm); derived, never saved
+        self._perm_cache: tuple[int, int, bool, str, int, torch.Tensor] | None = None
         self._order = "torch"    # "horovod": the permutation of a state dict saved by Horovod
         # (epoch, indices): processed first in that epoch (Horovod's older format saved a
         # set of processed indices)
@@ -271,13 +272,13 @@ class ElasticSampler(Sampler):
         self._local = 0
         self._recompute()
 
-    def _from_horovod(self, state_dict):
+    def _from_horovod(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Our form of a Horovod state dict: {epoch, processed_num} or {epoch, processed_indices}."""
         if "epoch" not in state_dict or not ("processed_num" in state_dict
                                              or "processed_indices" in state_dict):
             raise ValueError("not a sampler state dict: it needs epoch and processed "
                              "(or Horovod's processed_num / processed_indices)")
-        out = {"epoch": int(state_dict["epoch"]), "order": "horovod"}
+        out: dict[str, Any] = {"epoch": int(state_dict["epoch"]), "order": "horovod"}
         if "processed_num" in state_dict:
             out["processed"] = int(state_dict["processed_num"])
             return out
@@ -290,7 +291,7 @@ class ElasticSampler(Sampler):
 
     # -- index computation -----------------------------------------------------
 
-    def _perm(self):
+    def _perm(self) -> torch.Tensor:
         head = self._head[1] if self._head is not None and self._head[0] == self.epoch else None
         key = (self.epoch, self.seed, self.shuffle, self._order, id(head))
         if self._perm_cache is None or self._perm_cache[:5] != key:
@@ -312,7 +313,7 @@ class ElasticSampler(Sampler):
             self._perm_cache = key + (perm,)
         return self._perm_cache[5]
 
-    def _recompute(self):
+    def _recompute(self) -> None:
         if self.global_batch_size:
             self._recompute_global()
             return
@@ -327,8 +328,10 @@ class ElasticSampler(Sampler):
         pos = torch.arange(per) * s + self._rank
         self._indices = rem[pos % m].tolist()
 
-    def _recompute_global(self):
+    def _recompute_global(self) -> None:
         g, m = self.global_batch_size, self._len - self.processed
+        if g is None:     # _recompute calls this in global-batch mode only
+            raise RuntimeError("a global batch split needs ElasticSampler(global_batch_size=...)")
         self._batches = m // g if self.drop_last else -(-m // g)
         if self._batches == 0:
             self._indices = []
@@ -365,10 +368,10 @@ class ElasticSampler(Sampler):
         start = int(batch_idx) * int(batch_size)
         return self._indices[start:start + int(batch_size)]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         # Iterate over a snapshot: record_batch during the loop must not shift it.
         self.indices = list(self._indices)
         return iter(self.indices)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._indices)

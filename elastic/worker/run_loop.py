@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from elastic.exceptions import HostsUpdatedInterrupt, StopTraining, WorkersDepartedError
 from elastic.worker import error_file, logs, round_view, runtime, torch_world
@@ -29,7 +29,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     """
 
     @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> T:
         worker = runtime.ensure_joined()     # the entry point: connects, joins a round
         use_round = getattr(state, "use_round", None)
         if use_round is not None:

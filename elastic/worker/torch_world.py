@@ -237,14 +237,14 @@ _current: RoundGroup | None = None
 _ended: RoundGroup | None = None     # the last round's, still known to torch (see uninstall)
 
 
-class _AnyRank(dict):
+class _AnyRank(dict[int, int]):
     """An ended group's rank map: torch's error logging asks it for this process's rank
     in the new round, which must not turn WorkersDepartedError into a ValueError."""
 
-    def __contains__(self, rank):
+    def __contains__(self, rank: object) -> bool:
         return True
 
-    def __missing__(self, rank):
+    def __missing__(self, rank: int) -> int:
         return rank
 
 

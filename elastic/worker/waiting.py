@@ -73,7 +73,7 @@ def _wait(work: Any, what: str, w: RoundWaits | None) -> None:
             work.get_future().add_done_callback(lambda _fut: done.set())
         except RuntimeError:
             # Point-to-point work has no future: a helper thread blocks for us.
-            def block():
+            def block() -> None:
                 try:
                     work.wait()
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
@@ -98,9 +98,10 @@ def run_blocking(fn: Callable[[], Any], what: str, worker: AbortWatch | None = N
     For point-to-point work, which cannot be waited on in slices itself. On an abort
     the thread is left behind, blocked on the round's group, which is abandoned anyway.
     """
-    box, done = {}, threading.Event()
+    box: dict[str, Any] = {}
+    done = threading.Event()
 
-    def target():
+    def target() -> None:
         try:
             box["result"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
