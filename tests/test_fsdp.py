@@ -10,12 +10,13 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from support.jobs import REPO, Job, sizes_in_order
 
-from elastic.state import shard_plan
+from elastic.state import shard_files, shard_plan
 from elastic.state.shard_plan import Piece, ShardsLost
 
 FSDP_JOB = REPO / "tests" / "workloads" / "fsdp_job.py"
@@ -164,11 +165,20 @@ def test_losing_more_shards_than_copied_resumes_from_the_sharded_checkpoint(fsdp
     folders = sorted(p.name for p in ckpt.iterdir())
     assert folders[-1].endswith("-n1"), folders
     assert not list(ckpt.glob("*/*.tmp*"))
+    # The newest commit's replicated part (its own blob) is corrupted: the rerun warns
+    # once and resumes from the commit before it.
+    newest, previous = [f for _v, _n, f in shard_files.whole(str(ckpt))[:2]]
+    body = json.loads((Path(newest) / "shard0.json").read_text())["body"]
+    blob = ckpt / "blobs" / body["rest"][0]
+    blob.write_bytes(b"x" + blob.read_bytes()[1:])
     second = Job(tmp_path / "b", ["-np", "2", "-H", "localhost:2"], script=FSDP_JOB,
                  env={"FSDP_STEPS": str(STEPS), "FSDP_CKPT": str(ckpt)})
     assert second.run() == 0, second.output()[-4000:]
     a, b = finals(second), finals(fsdp_jobs[0])
     assert "of 1 shards" in a["resumed_from"] and a["size"] == 2
+    assert a["resumed_from"].startswith(previous), a["resumed_from"]
+    assert re.search(rf"elastic: warning: sharded checkpoint {re.escape(newest)} cannot be used "
+                     r"\(.*fails its checksum\); trying the previous one", second.output())
     assert min(r["step"] for r in second.steps()) == STEPS // 2 + 1
     assert a["batches"] == b["batches"]
     for key in ("params", "moments"):

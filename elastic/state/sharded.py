@@ -252,9 +252,8 @@ class ShardedState(State):
                 sys.stderr.flush()
             chosen = None
         if chosen is None:
-            found = shard_files.whole(self.checkpoint_dir)[:1]
-            if found:
-                self._resume_from_files(*found[0], me, n)
+            if shard_files.whole(self.checkpoint_dir):
+                self._resume_from_checkpoint(me, n)
             else:
                 self._promote(self._save(0))       # a fresh job: the models as built
             self._after(started)
@@ -296,9 +295,32 @@ class ShardedState(State):
         self._promote(self._save(version))    # the new layout, with its copies
         self._after(started)
 
-    def _resume_from_files(self, version: int, old_n: int, folder: str, me: int, n: int) -> None:
+    def _resume_from_checkpoint(self, me: int, n: int) -> None:
+        """Resume from the newest whole commit on disk that every rank reads and verifies;
+        one that any rank cannot use gives one warning line and the previous one is tried
+        (every rank lists the same whole commits: they waited for their writers)."""
+        why = ""
+        for version, old_n, folder in shard_files.whole(self.checkpoint_dir):
+            try:
+                read, why = shard_files.read_for(folder, old_n, n, me), ""
+            except (shard_files.CorruptShard, OSError) as exc:
+                read, why = None, str(exc)
+            bad = [b for b in (collectives.allgather_object(why) if runtime.worker()
+                               else [why]) if b]
+            if not bad:
+                self._resume_from_files(version, old_n, folder, me, n, read)
+                return
+            why = bad[0]
+            if me == 0:
+                sys.stderr.write(f"elastic: warning: sharded checkpoint {folder} cannot be "
+                                 f"used ({why}); trying the previous one\n")
+                sys.stderr.flush()
+        fatal.stop_job(f"no sharded checkpoint in {self.checkpoint_dir} can be used ({why})")
+
+    def _resume_from_files(self, version: int, old_n: int, folder: str, me: int, n: int,
+                           read: Any) -> None:
         """Load this rank's new shard from the files of a whole commit (only those it needs)."""
-        meta, rest, flats = shard_files.read_for(folder, old_n, n, me)
+        meta, rest, flats = read
         views = {i: reshard.shard_views(meta, old_n, i, f) for i, f in flats.items()}
         pieces = [p for p in shard_plan.plan(meta, old_n, {i: list(range(n)) for i in
                                                            range(old_n)}, n) if p.dst == me]
