@@ -12,13 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "elastic"
 
-# Folders and modules whose hints are still being written; each leaves this list once
-# its hints are complete. The test fails on a listed path that has become complete, so
-# the list only shrinks.
-NOT_YET_HINTED = (
-)
-
-
 def _public(name):
     return not name.startswith("_") or name == "__init__"
 
@@ -42,11 +35,6 @@ def unhinted(source):
     return missing
 
 
-def _listed(path):
-    rel = path.relative_to(ROOT).as_posix()
-    return any(rel == entry or rel.startswith(entry + "/") for entry in NOT_YET_HINTED)
-
-
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 
@@ -64,14 +52,6 @@ def test_the_check_finds_a_missing_parameter_or_return_hint():
     assert unhinted(source) == ["b", "c", "K.__init__", "K.m"]
 
 
-@pytest.mark.parametrize("path", [p for p in SOURCES if not _listed(p)],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_public_function_has_hints(path):
     assert unhinted(path.read_text()) == []
-
-
-@pytest.mark.parametrize("entry", NOT_YET_HINTED)
-def test_a_listed_path_is_not_yet_complete(entry):
-    paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py"))
-    assert paths and any(unhinted(p.read_text()) for p in paths), \
-        f"{entry} is fully hinted now: take it off NOT_YET_HINTED"

@@ -153,19 +153,6 @@ def allgather_object(obj: Any) -> list:
     return out
 
 
-def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-    w = _active_worker()
-    group = _group_for(w, tensor)
-    wait(_issue(lambda: group.send([tensor], dst, tag), "send"), "send", w)
-
-
-def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-    w = _active_worker()
-    group = _group_for(w, tensor)
-    wait(_issue(lambda: group.recv([tensor], src, tag), "recv"), "recv", w)
-    return tensor
-
-
 def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
     """Accepts a state_dict, named_parameters() or a list of (name, tensor)."""
     items = params.items() if hasattr(params, "items") else params
