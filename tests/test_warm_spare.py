@@ -22,19 +22,29 @@ def started():
     kill_leftover_jobs(jobs)
 
 
-def spares_of(out):
-    """Pids of live warm spares (or workers they became) started for the job writing ``out``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+def spare_processes():
+    """{pid: parent pid} of live processes running launching/spare.py (warm spares, or
+    the workers they became)."""
+    found = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-            if not any(a.endswith(b"launching/spare.py") for a in argv):
-                continue
-            if environ(int(name)).get("JOB_OUT") == str(out):
-                found.append(int(name))
+            if any(a.endswith(b"launching/spare.py") for a in argv):
+                with open(f"/proc/{name}/stat") as f:
+                    found[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def spares_of(out):
+    """Those started for the job writing ``out``."""
+    found = []
+    for pid in spare_processes():
+        try:
+            if environ(pid).get("JOB_OUT") == str(out):
+                found.append(pid)
         except OSError:
             continue
     return found
@@ -111,21 +121,7 @@ def test_a_crashed_worker_is_replaced_by_the_warm_spare_and_nothing_is_lost(tmp_
 
 
 def children_running_the_spare(parent):
-    """Pids of ``parent``'s children whose command line runs launching/spare.py."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and any(a.endswith(b"launching/spare.py") for a in argv):
-            found.append(int(name))
-    return found
+    return [pid for pid, ppid in spare_processes().items() if ppid == parent]
 
 
 def test_a_joining_agent_keeps_a_spare_for_its_host(join_job):
