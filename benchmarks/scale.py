@@ -74,6 +74,10 @@ def driver_main(hosts_file, event_log, stats_file, commands, exits, n):
             cProfile.runctx("driver.run()", globals(), {"driver": driver}, profile)
         else:
             driver.run()
+    except BaseException:
+        import traceback
+        traceback.print_exc()             # os._exit below would swallow it
+        raise
     finally:
         os._exit(0)
 

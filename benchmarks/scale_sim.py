@@ -27,6 +27,7 @@ from elastic import protocol
 from elastic.exceptions import ElasticError
 from elastic.protocol import ControlStore, Keys
 from elastic.runner.discovery import Discovery
+from elastic.runner.outage import Back
 from elastic.worker.runtime import Worker
 
 KILLED = -9          # the exit code of a worker the driver stopped (as for SIGKILL)
@@ -88,6 +89,12 @@ class SimCluster(Discovery):
 
     def take_adopted(self):
         return []          # a simulated driver is never restarted
+
+    def outage_report(self):
+        return Back()      # ... so no host ever reports an outage
+
+    def take_failed_away(self):
+        return []
 
     def send(self, host, command):
         self.commands[sim_of(host, len(self.commands))].put(command)

@@ -107,3 +107,12 @@ def test_a_member_of_a_big_round_waits_a_pause_before_its_first_look_or_heal(mon
     heals = [i for i, e in enumerate(log) if e == ("heal",)]
     slept = [sum(e[1] for e in log[:i] if e[0] == "sleep") for i in heals]
     assert all(s >= protocol.backstop_pause(size) for s in slept), log
+
+
+def test_the_simulated_cluster_has_every_method_of_a_launcher_backend():
+    """The driver calls each of them (runner/interfaces.py); a method added there and not
+    here ends the simulated driver at its first tick."""
+    from elastic.runner.interfaces import LauncherBackend
+    SimCluster = scale.scale_sim.SimCluster  # noqa: N806 - the class itself
+    wanted = {n for n in vars(LauncherBackend) if not n.startswith("_")}
+    assert wanted and wanted <= set(dir(SimCluster)), wanted - set(dir(SimCluster))
