@@ -46,11 +46,6 @@ class Spares:
         self._argv = spare_argv(command)
         self._spare: subprocess.Popen | None = None
         self._env: dict[str, str] | None = None    # a worker's environment, less ELASTIC_*
-        self.handed_over = 0
-
-    @property
-    def usable(self) -> bool:
-        return self._argv is not None
 
     def note_worker(self, env: Mapping[str, str]) -> None:
         """A worker started here with ``env``: the spare is started with that environment
@@ -89,7 +84,6 @@ class Spares:
         except (OSError, ValueError):
             launcher.end_spare(popen)
             return None
-        self.handed_over += 1
         return popen
 
     def close(self) -> None:

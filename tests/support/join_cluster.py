@@ -47,11 +47,7 @@ class JoinJob(Job):
             + list(extra) + [sys.executable, str(WORKLOAD)]
 
     def start(self):
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.serve_command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-            cwd=REPO, start_new_session=True)
-        return self
+        return self._serve("wb")
 
     def join(self, name, slots=1, extra=()):
         log = open(self.dir / f"agent.{name}.log", "wb")
@@ -63,7 +59,10 @@ class JoinJob(Job):
 
     def restart_driver(self):
         """The same serving command again (after the driver died), its output appended."""
-        self._log = open(self.log_path, "ab")
+        return self._serve("ab")
+
+    def _serve(self, mode):
+        self._log = open(self.log_path, mode)
         self.proc = subprocess.Popen(
             self.serve_command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=REPO, start_new_session=True)
