@@ -30,6 +30,8 @@ Sections (worker scripts in this folder):
             with vs without redundancy, a 3 -> 4 reshard vs bytes moved / link bandwidth
   fsdpsteady  fsdp_steady.py: the same FSDP2 script with ShardedState under elasticrun vs
             plain under torchrun, steady throughput
+  fsdpckpt  fsdp_ckpt_bench.py: bytes landed per sharded checkpoint in a real elasticrun
+            FSDP2 job, half the layers frozen vs everything training (a full write)
 BENCH_ONLY=steady,commit,... runs a subset (written to results-partial.md, so the full
 table stays); BENCH_QUICK=1 uses fewer repeats; BENCH_STEADY_REPS sets the steady ones.
 """
@@ -742,6 +744,15 @@ def bench_fsdp_steady():
     NOTES.extend(notes)
 
 
+@section("fsdpckpt")
+def bench_fsdp_ckpt():
+    import fsdp_ckpt_bench
+    got, notes = fsdp_ckpt_bench.rows(quick=QUICK)
+    for r in got:
+        row(*r)
+    NOTES.extend(notes)
+
+
 @section("driver restart: joining mode")
 def bench_driver_restart():
     import driver_restart_bench
@@ -812,7 +823,7 @@ def main():
                      ("scaleup", bench_scaleup), ("growth", bench_growth),
                      ("ops", bench_ops), ("ckpt", bench_ckpt), ("adascale", bench_adascale),
                      ("ddp", bench_ddp), ("fsdp", bench_fsdp),
-                     ("fsdpsteady", bench_fsdp_steady),
+                     ("fsdpsteady", bench_fsdp_steady), ("fsdpckpt", bench_fsdp_ckpt),
                      ("driverrestart", bench_driver_restart), ("syncpause", bench_sync_pause),
                      ("churn", bench_churn),
                      ("churnmix", bench_churn_mixed)):
