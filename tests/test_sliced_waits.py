@@ -185,3 +185,22 @@ def test_the_leaving_report_keeps_the_commit_it_left_at():
     report.put(conn, commit=12)
     report.put(conn)      # the heartbeat's later write keeps the number
     assert conn.values[key] == {"signal": 15, "commit": 12}
+
+
+def test_work_without_a_future_is_let_go_once_waited_and_its_waits_reuse_one_thread():
+    """gloo's reduce-scatter (FSDP2's, once per layer per step) returns work without a
+    future whose is_completed() stays False: a real gloo group, 60 of them waited on."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    tracked = groups.TrackedGroup(pg)
+    threads_before = waiting.blocker_threads()
+    for i in range(60):
+        out = torch.empty(4)
+        work = tracked._reduce_scatter_base(out, torch.full((4,), float(i)))
+        waiting.wait(work, "reduce-scatter")
+        assert out.tolist() == [float(i)] * 4
+    assert tracked.pending() == 0 and tracked.drained()
+    assert waiting.blocker_threads() - threads_before <= 1

@@ -39,6 +39,48 @@ if TYPE_CHECKING:
 
     from elastic.worker.torch_world import RoundMember
 
+def has_future(work: dist.Work) -> bool:
+    """Whether ``work`` has a future, and with it an ``is_completed`` that turns True."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
+
+
+class WaitedWork(dist.Work):
+    """Work without a future, done once a ``wait()`` on it has returned.
+
+    gloo's ``_reduce_scatter_base`` (FSDP2's reduce-scatter) returns such work: its
+    ``is_completed()`` stays False even after it finished. Tracked as it is, every one
+    would be kept with its tensors for the group's life, and the group would never
+    drain; a wait is the only sign that it ended, so this records it.
+    """
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self._work = work
+        self._ended = False
+        self._ok = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            self._work.wait()
+            self._ok = True
+        finally:
+            self._ended = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._ended
+
+    def is_success(self) -> bool:
+        return self._ok
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._work.get_future()    # raises, as the work's own does
+
+
 class TrackedGroup:
     """A process group that remembers its unfinished work.
 
@@ -60,16 +102,19 @@ class TrackedGroup:
         def issue(*args: Any, **kwargs: Any) -> Any:
             result = attr(*args, **kwargs)
             if isinstance(result, dist.Work):
-                self._record(result)
+                result = self._record(result)
             return result
 
         return issue
 
-    def _record(self, work: dist.Work) -> None:
+    def _record(self, work: dist.Work) -> dist.Work:
         # Completed work goes at once: a work object keeps its tensors alive.
+        if not has_future(work):
+            work = WaitedWork(work)
         with self._mu:
             self._works = [w for w in self._works if not w.is_completed()]
             self._works.append(work)
+        return work
 
     def drained(self) -> bool:
         """True once no work issued on this group is still running."""

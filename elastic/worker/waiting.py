@@ -9,6 +9,7 @@ which the run loop turns into restore-and-rejoin.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,7 +20,8 @@ from elastic.worker.sliced import DEFAULT_TIMEOUT_S, WAIT_SLICE_S, AbortWatch, w
 if TYPE_CHECKING:
     from elastic.worker.liveness import Progress
 
-__all__ = ["DEFAULT_TIMEOUT_S", "WAIT_SLICE_S", "RoundWaits", "issue", "run_blocking", "wait"]
+__all__ = ["DEFAULT_TIMEOUT_S", "WAIT_SLICE_S", "Blockers", "RoundWaits", "blocker_threads", "issue",
+           "run_blocking", "wait"]
 
 
 class RoundWaits(AbortWatch, Protocol):
@@ -32,6 +34,44 @@ class RoundWaits(AbortWatch, Protocol):
     def polls_work(self) -> bool: ...
 
     def abort_device_group(self) -> None: ...
+
+
+class Blockers:
+    """Threads that block on work for a sliced wait (work without a future: point-to-point,
+    gloo's reduce-scatter), kept for the next one: FSDP2 waits on a reduce-scatter per
+    layer per step, and a thread started for each cost more than the wait.
+
+    A thread blocked on abandoned work stays blocked until that work fails (its group
+    closed or timed out); the next wait gets another thread meanwhile."""
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._mu = threading.Lock()
+        self.started = 0
+
+    def run(self, fn: Callable[[], None]) -> None:
+        with self._mu:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True,
+                             name="elastic-wait").start()
+            self.started += 1
+        inbox.put(fn)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            with self._mu:
+                self._idle.append(inbox)
+
+
+_blockers = Blockers()
+
+
+def blocker_threads() -> int:
+    """Threads started so far to block on work without a future (tests: they are reused)."""
+    return _blockers.started
 
 
 def issue(start: Callable[[], Any], what: str) -> Any:
@@ -80,7 +120,7 @@ def _wait(work: Any, what: str, w: RoundWaits | None) -> None:
                     error.append(exc)
                 waited.append(True)
                 done.set()
-            threading.Thread(target=block, daemon=True, name="elastic-wait").start()
+            _blockers.run(block)
         wait_sliced(done.is_set, aborted, deadline_s, what, sleep=done.wait, aborted_why=why)
     try:
         if error:
