@@ -222,7 +222,8 @@ def test_beats_and_reads_slow_down_in_a_big_job_but_stay_within_a_tenth_of_the_t
     assert 4096 / heartbeat_read_interval(4096, 120) <= 1024
     # A short --worker-timeout wins over the job's size: a hang is still called in time.
     assert heartbeat_interval(4096, 30) == 2.0 and heartbeat_read_interval(4096, 30) == 3.0
-    assert heartbeat_interval(4096, 6) == 1.0 and heartbeat_read_interval(4096, 6) == 0.6
+    assert heartbeat_interval(4096, 6) == 0.6 and heartbeat_read_interval(4096, 6) == 0.6
+    assert heartbeat_interval(4, 1.5) == 0.15        # ten beats in the shortest timeout too
     assert heartbeat_interval(100_000, 120) == 12.0
 
 

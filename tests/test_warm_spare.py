@@ -38,6 +38,17 @@ def spare_processes():
     return found
 
 
+def policies(pid):
+    """The scheduling policies of ``pid``'s threads."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(os.sched_getscheduler(int(tid)))
+        except OSError:
+            continue
+    return found
+
+
 def spares_of(out):
     """Those started for the job writing ``out``."""
     found = []
@@ -104,11 +115,15 @@ def test_a_crashed_worker_is_replaced_by_the_warm_spare_and_nothing_is_lost(tmp_
     (spare,) = spares_of(job.out)
     env = environ(spare)
     assert not [k for k in env if k.startswith("ELASTIC_")], env    # no id, rank or key
+    if os.geteuid() == 0:           # it may come back from SCHED_IDLE: it waits there
+        job.wait_for(lambda: policies(spare) == {os.SCHED_IDLE}, "the spare at SCHED_IDLE")
     victim = next(pid for pid, e in job_workers(job.out).items()
                   if e["ELASTIC_HOSTNAME"] == "localhost")
     os.kill(victim, signal.SIGKILL)
     job.wait_for(lambda: f"a warm spare became it (pid {spare})" in job.output(),
                  "the spare to become the replacement")
+    job.wait_for(lambda: policies(spare) == {os.SCHED_OTHER},   # the worker it became is not idle
+                 "the worker the spare became at SCHED_OTHER")
     job.release(3)
     job.assert_ok(job.finish(), final_size=2)
     out = job.output()

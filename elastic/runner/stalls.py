@@ -125,8 +125,9 @@ EXIT_POLLS_PER_S = 20480   # process polls per second, at most (at 50 ms ticks: 
 def heartbeat_interval(workers: int, worker_timeout: float, base: float = BEAT_S) -> float:
     """Seconds between one worker's beats: ``base``, slower in a big job (2 s at 4,096
     workers: every beat is a store request the driver's process serves), but never
-    slower than a tenth of --worker-timeout, after which a silent worker is evicted."""
-    return max(base, min(workers / BEATS_PER_S, worker_timeout / 10))
+    slower than a tenth of --worker-timeout, after which a silent worker is evicted
+    (a 1.5 s timeout beats every 0.15 s: a short timeout is what its user asked for)."""
+    return min(max(base, workers / BEATS_PER_S), worker_timeout / 10)
 
 
 def heartbeat_read_interval(workers: int, worker_timeout: float) -> float:
