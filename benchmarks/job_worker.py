@@ -2,7 +2,8 @@
 
 Writes under $BENCH_OUT, one JSON line per event, wall-clock (time.time()) stamps:
   start.<wid>        process start (before `import torch`) and when imports finished
-  steps.<wid>.jsonl  one line per completed step: step, rank, size, round, t
+  steps.<wid>.jsonl  one line per completed step: step, rank, size, round, wid, t_start
+                     (the loop body began) and t (it ended, before the step's commit)
   events.<wid>.jsonl interrupt (HostsUpdatedInterrupt raised by commit), joined
                      (new round formed), sync start/end with bytes moved
   kill.json          written by the rank that SIGKILLs itself, just before it does
@@ -112,6 +113,7 @@ def main():
     @elastic.run
     def train(state):
         while state.step < MAX_STEPS:
+            t_start = time.time()
             step = state.step + 1
             maybe_kill(step)
             while os.path.exists(os.path.join(OUT, f"stuck.{WID}")):
@@ -125,7 +127,8 @@ def main():
             state.step = step
             w = elastic.worker.runtime.worker()
             steps.write(json.dumps({"step": step, "rank": elastic.rank(), "size": elastic.size(),
-                                    "round": w.round_id if w else 0, "t": time.time()}) + "\n")
+                                    "round": w.round_id if w else 0, "wid": WID,
+                                    "t_start": t_start, "t": time.time()}) + "\n")
             state.commit()
             if stop:
                 return

@@ -22,8 +22,10 @@ Sections (worker scripts in this folder):
   ckpt      ckpt_bench.py: durable checkpoints (size 1) in a temp dir under $BENCH_CKPT_DIR
             (default: the system temp dir): write throughput vs dd conv=fsync there, training
             stall per checkpoint, bytes written with half the model frozen
-  syncpause sync_pause_bench.py: survivors' pause admitting a newcomer that needs 120 MB vs a
-            raw broadcast of the same bytes into fresh memory (the README's span)
+  syncpause sync_pause_bench.py: survivors' pause admitting a newcomer that needs 120 MB (end
+            of their last step before the change to the start of their first step after
+            it: the README's span) vs a raw broadcast of the same bytes into fresh memory;
+            their first step after the change vs their median step
   churn     churn_bench.py: goodput while a random worker is SIGKILLed every 10 s for 90 s
   churnmix  churn_bench.py: the same with mixed faults (SIGTERM, SIGSTOP, stuck, hosts)
   fsdp      fsdp_bench.py: ShardedState (FSDP2) on 4 workers: bytes held per rank, commit
