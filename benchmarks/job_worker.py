@@ -4,8 +4,10 @@ Writes under $BENCH_OUT, one JSON line per event, wall-clock (time.time()) stamp
   start.<wid>        process start (before `import torch`) and when imports finished
   steps.<wid>.jsonl  one line per completed step: step, rank, size, round, wid, t_start
                      (the loop body began) and t (it ended, before the step's commit)
-  events.<wid>.jsonl interrupt (HostsUpdatedInterrupt raised by commit), joined
-                     (new round formed), sync start/end with bytes moved
+  events.<wid>.jsonl interrupt (HostsUpdatedInterrupt raised by commit), restore (a
+                     failure noticed and reported), groups_start/groups_end (every member
+                     arrived: the round's gloo group forms and checks), joined (new round
+                     formed), sync start/end with bytes moved
   kill.json          written by the rank that SIGKILLs itself, just before it does
 Knobs: BENCH_KILL="step:rank" kills that rank at the start of that step (once per job);
 BENCH_STEP_SLEEP stands in for compute; a file $BENCH_OUT/stuck.<wid> blocks that
@@ -63,6 +65,10 @@ class TimedState(elastic.TorchState):
             event("interrupt")
             raise
 
+    def restore(self):
+        event("restore")
+        super().restore()
+
     def sync(self):
         before = dict(self.sync_stats)
         event("sync_start")
@@ -90,11 +96,27 @@ def maybe_kill(step):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def time_group_setup():
+    """Events around the round's group set-up (form_groups runs once every member arrived)."""
+    w = elastic.worker.runtime.worker()
+    if w is None:
+        return
+    form = w.form_groups
+
+    def timed(round_id):
+        event("groups_start", round_id=round_id)
+        groups = form(round_id)
+        event("groups_end", round_id=round_id)
+        return groups
+    w.form_groups = timed
+
+
 def main():
     with open(os.path.join(OUT, f"start.{WID}"), "w") as f:
         json.dump({"t_start": T_START, "t_imported": T_IMPORTED, "pid": os.getpid(),
                    "host": os.environ.get("ELASTIC_HOSTNAME")}, f)
     elastic.init()
+    time_group_setup()
     torch.manual_seed(0)
     if MODEL == "mlp10m":          # 120 MB of state with Adam: the sync-pause row
         model = common.mlp_10m()

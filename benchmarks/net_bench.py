@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import pause_timeline  # noqa: E402
 from common import BENCH, REPO, median  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -212,24 +213,31 @@ def bench_pauses(lab, rate_bits):
     env = {"PATH": f"{shim}{os.pathsep}{os.environ['PATH']}", "BENCH_STEP_SLEEP": "0.01"}
     base = ["--network-interface", "eth0", "--remote-python", sys.executable]
     every = ",".join(f"{h.addr}:1" for h in lab.hosts)
-    with run.Job(base + ["-np", "4", "--min-np", "2", "-H", every],
-                 env={**env, "BENCH_KILL": "40:3"}, prefix=lab.ctl.prefix()) as job:
+    log_crash, log_grow = lab.tmp / "crash-events.jsonl", lab.tmp / "grow-events.jsonl"
+    with run.Job(base + ["--event-log", str(log_crash), "-np", "4", "--min-np", "2", "-H",
+                         every], env={**env, "BENCH_KILL": "40:3"},
+                 prefix=lab.ctl.prefix()) as job:
         rec, detail = run.one_recovery(job)
+        stages = pause_timeline.crash(json.loads((job.out / "kill.json").read_text()),
+                                      job.steps(), job.events(), common.read_jsonl(
+                                          lab.tmp, log_crash.name))
     row(f"crash pause at {RATE}: SIGKILL 1 of 4 workers (one per host) → every "
         "survivor completed its next step", f"{rec:.2f} s", "—", "—", "≤ 0.2 s",
         yes(rec <= 0.2))
-    NOTES.append(f"crash at {RATE}: {detail}")
+    NOTES.append(f"crash at {RATE}: {detail}; s after the kill: {stages}")
     two = [f"{h.addr}:1" for h in lab.hosts[:2]]
-    with run.Job(base + ["-np", "2", "--min-np", "2"], hosts=two, env=env,
-                 prefix=lab.ctl.prefix()) as job:
+    with run.Job(base + ["--event-log", str(log_grow), "-np", "2", "--min-np", "2"],
+                 hosts=two, env=env, prefix=lab.ctl.prefix()) as job:
         job.wait_for(lambda: any(r["step"] >= 30 for r in job.steps()), "step 30", timeout=300)
         job.set_hosts(two + [f"{h.addr}:1" for h in lab.hosts[2:]])
         job.wait_for(lambda: len([r for r in job.steps() if r["size"] == 4]) >= 4 * 20,
                      "20 steps at 4 workers", timeout=300)
         job.finish(timeout=120)
-        steps = job.steps()
+        steps, events = job.steps(), job.events()
     first = min(r["round"] for r in steps)
     new = min(r["round"] for r in steps if r["size"] == 4)
+    stages = pause_timeline.scale_up(steps, events, common.read_jsonl(
+        lab.tmp, log_grow.name), first, new)
     gaps = []
     for rank in (0, 1):
         before = max(r["t"] for r in steps if r["round"] == first and r["rank"] == rank)
@@ -240,6 +248,8 @@ def bench_pauses(lab, rate_bits):
     row(f"scale-up pause at {RATE}: 2 → 4 workers (discovery adds 2 hosts): the survivors' "
         "last step before the change to their first step after it", f"{max(gaps):.2f} s",
         f"a step {step * 1e3:.0f} ms", "—", "≤ 0.1 s", yes(max(gaps) <= 0.1))
+    NOTES.append(f"scale-up at {RATE}: pauses {[round(g, 3) for g in gaps]} s; s after the "
+                 f"survivors' last step: {stages}")
 
 
 def main():

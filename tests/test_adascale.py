@@ -232,7 +232,7 @@ def test_the_optimizer_hook_sees_local_and_reduced_norms_one_step_late(compressi
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
     dopt = elastic.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                         compression=getattr(elastic.Compression, compression),
-                                        bucket_cap_mb=1e-4)
+                                        bucket_cap_mb=5e-5)
     seen, step = [], [0]
     dopt.gradient_observer = GradientNorms(lambda *a: seen.append(a), lambda: step[0] % 2 == 0)
     expected = []

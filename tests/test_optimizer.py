@@ -10,6 +10,7 @@ import torch
 
 from elastic.exceptions import WorkersDepartedError
 from elastic.training.optimizer import Compression, DistributedOptimizer
+from elastic.training.optimizer_layout import FIRST_BUCKET_BYTES, build_buckets
 from elastic.worker import collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -254,6 +255,32 @@ def test_named_parameters_are_validated():
 
 
 # -- a faked worker: launch order, overlap, rebuilds ----------------------------------------------
+
+
+def test_a_bucket_closes_after_the_parameter_that_fills_it_the_first_at_1_mib():
+    # A layer's bias and weight gradients come from one backward node: a bucket boundary
+    # between them (the bias taken first, in reverse order) would hold the earlier bucket
+    # back until that layer's backward. As with DDP, a bucket closes after the parameter
+    # that fills it, and the first one at 1 MiB, so the link starts early.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512),
+                                torch.nn.Linear(512, 10))
+    names = {p: n for n, p in model.named_parameters()}
+    params = list(model.parameters())
+
+    def layout(cap):
+        buckets = build_buckets(params, None, cap, Compression.none, as_view=True)
+        return [[names[p] for p in b.params] for b in buckets]
+    assert FIRST_BUCKET_BYTES == 2 ** 20
+    # 2 MiB weights: the first bucket closes after 1.weight, past 1 MiB; the rest fits 3 MiB.
+    assert layout(3 * 2 ** 20) == [["2.bias", "2.weight", "1.bias", "1.weight"],
+                                   ["0.bias", "0.weight"]]
+    # The cap closes the later buckets after the parameter that reaches it.
+    assert layout(2 * 2 ** 20) == [["2.bias", "2.weight", "1.bias", "1.weight"],
+                                   ["0.bias", "0.weight"]]
+    # A cap under 1 MiB applies to the first bucket too.
+    assert layout(16 * 1024) == [["2.bias", "2.weight"], ["1.bias", "1.weight"],
+                                 ["0.bias", "0.weight"]]
 
 
 def test_buckets_launch_during_backward_in_reverse_order(monkeypatch):

@@ -487,8 +487,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     the sum and multiplies by f/size after. ``groups`` (an int, or lists of
     parameters; ``num_groups`` is its old name) fixes which gradients travel
     together: each group is one bucket, and the parameters in no group go in
-    buckets of at most ``bucket_cap_mb`` MiB (default: $HOROVOD_FUSION_THRESHOLD bytes,
-    which ``elasticrun --fusion-threshold-mb`` sets, else 25). Sparse gradients travel dense
+    buckets that close once they reach ``bucket_cap_mb`` MiB (default:
+    $HOROVOD_FUSION_THRESHOLD bytes, which ``elasticrun --fusion-threshold-mb`` sets,
+    else 25), the first at 1 MiB, as torch DDP's buckets do. Sparse gradients travel dense
     (as with Horovod's ``sparse_as_dense``, which is accepted) and come back sparse.
     ``process_set``: gradients are reduced over that set; ranks outside it step with
     their own gradients, as in Horovod. Outside elasticrun (size 1) it steps exactly like the wrapped
