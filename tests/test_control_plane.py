@@ -188,3 +188,39 @@ def test_no_full_look_while_verified_arrivals_stream_in_and_one_once_they_stop()
     worker.raw.set(Keys.arrivals(1), b"0\n2\n0\n2\n1x\n")         # false and stale names
     assert plane.assembly(1, t + 1.8 * FULL_LOOK_S) == 2          # ... do not postpone it
     assert plane.assembly(1, t + 2.0 * FULL_LOOK_S) == 3          # quiet for a period
+
+
+def _member(conn, round_id, size):
+    """What RoundLifeCycle.round_aborted reads of a worker: its round, its size and the
+    driver's news (a not-patient DriverContact reads the control connection)."""
+    from elastic.worker.rounds import RoundLifeCycle
+
+    class Member(RoundLifeCycle):
+        def __init__(self):
+            self._init_rounds(size)
+            self.control, self.round_id = conn, round_id
+            self.contact = type("Contact", (), {"news": staticmethod(conn.get)})()
+    return Member()
+
+
+def test_a_members_failure_report_ends_a_small_rounds_waits_before_the_drivers_abort():
+    from elastic.worker import runtime
+    from elastic.worker.rounds import SELF_ASSEMBLY_MAX
+    plane, conn, members = _driver_and_worker(3)
+    plane.publish(1, members)
+    small, big = _member(conn, 1, 3), _member(conn, 1, SELF_ASSEMBLY_MAX + 1)
+    assert not small.round_aborted() and not big.round_aborted()
+    conn.raw.set(Keys.failures(1), b"forged")             # an outsider's write: ignored
+    assert not small.round_aborted()
+    # A member that saw a collective fail reports it (Worker.report_failure) and leaves.
+    reporter = type("Reporter", (), {"round_id": 1, "over_round": 0, "worker_id": "2",
+                                     "control": conn, "_standing": set()})()
+    runtime.Worker.report_failure(reporter, "Connection closed by peer")
+    assert eventually(small.round_aborted, True) is True and small.over_round == 1
+    assert not big.round_aborted()  # a big round waits for the driver (a look fewer per slice)
+    # The member that gave up its wait saw no failure itself: it reports none, so the
+    # driver's verdict counts only the member that saw one.
+    runtime.Worker.report_failure(small, "allreduce abandoned")
+    assert plane.failure_reports(1, [m.worker_id for m in members]).keys() == {"2"}
+    plane.abort(1)
+    assert eventually(big.round_aborted, True) is True

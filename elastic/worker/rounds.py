@@ -80,6 +80,9 @@ class RoundLifeCycle:
         self._size_hint = size_hint   # sets how often we look
         self._healed_at = 0.0
         self._standing: set[str] = set()   # our sealed reports kept in place until the next round
+        # A round whose waits we gave up because it was over (aborted, or a member reported
+        # a failure): no failure of our own to report (Worker.report_failure).
+        self.over_round = 0
         self._rendezvous: SignedStore | None = None   # the forming round's, healed until it checks
         self._round_store: SignedStore | None = None  # the current round's (its keys go with it)
 
@@ -99,14 +102,34 @@ class RoundLifeCycle:
         self._latest = max(self._latest, int(round_id))
 
     def round_aborted(self) -> bool:
-        """Whether the driver aborted our round (a sealed abort; a forged one is ignored).
+        """Whether our round is over for the waits in it: the driver aborted it (a sealed
+        abort; a forged one is ignored), or, in a round of at most SELF_ASSEMBLY_MAX members,
+        a member reported a failed collective of it (its sealed ``Keys.failures``). A wait
+        given up for that is no failure this worker saw: it reports none (``over_round``),
+        so the driver's verdict on a repeated failure still counts only the members that saw
+        one.
+
+        A member that reports a failure has left the round (it restores and waits for the
+        next one), so no collective of the round can complete. A survivor blocked on another
+        survivor sees no error of its own; without the report it waited for the driver's
+        abort, which comes only once the driver has seen the dead process exit (its exit
+        poll, up to a tick later): a crash pause held one more slice of that wait. The extra
+        look is made only in small rounds, where it costs the store little.
 
         While a new group forms, this is also when our rendezvous values are put
         back if something overwrote them: peers may still need them."""
         if self._rendezvous is not None:
             self._rendezvous.heal()
             self._heal_kept()
-        return self.round_id > 0 and self.contact.news(Keys.abort(self.round_id)) is not None
+        if self.round_id <= 0:
+            return False
+        size = self.membership.size if self.membership is not None else self._size_hint
+        if self.contact.news(Keys.abort(self.round_id)) is not None or \
+                size <= SELF_ASSEMBLY_MAX and \
+                self.contact.news(Keys.failures(self.round_id)) is not None:
+            self.over_round = self.round_id
+            return True
+        return False
 
     def join_next_round(self) -> Membership:
         """Leave the current round and block until a newer one including us forms.

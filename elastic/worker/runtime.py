@@ -94,8 +94,9 @@ class Worker(RoundLifeCycle):
             nccl.abort(self.device_group.group)
 
     def report_failure(self, error: object = "") -> None:
-        """Our own sealed report with ``error`` (kept until the next round), plus a doorbell."""
-        if self.round_id:
+        """Our own sealed report with ``error`` (kept until the next round), plus a doorbell;
+        none where we only gave up a wait because the round was over (rounds.round_aborted)."""
+        if self.round_id and self.round_id != self.over_round:
             try:
                 key = Keys.failed(self.round_id, self.worker_id)
                 self.control.put(key, {"round": self.round_id, "error": str(error)[-2000:]}, keep=True)
