@@ -173,7 +173,7 @@ class Driver:
                 self.plane.heal(now)
                 if self.spares is not None:
                     self._refill_spares(now)
-                time.sleep(TICK_S)
+                self._sleep_tick()
         finally:
             background.stop(timeout=1.0)
             if self.spares is not None:
@@ -184,6 +184,15 @@ class Driver:
             if self.cfg.backend is not None:
                 self.cfg.backend.close(0 if self.job.final_round is not None else 1)
             self.plane.close()
+
+    def _sleep_tick(self):
+        """Wait out the tick, or less where a worker's output ended (it exited, most likely):
+        its exit is polled at once, not up to a tick later."""
+        ended = getattr(self.sink, "stream_ended", None)
+        if ended is None or not ended.wait(TICK_S):
+            return
+        ended.clear()
+        self._last_exit_poll = float("-inf")
 
     # -- discovery ------------------------------------------------------------------
     def _first_discovery(self):

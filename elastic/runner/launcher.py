@@ -179,6 +179,10 @@ class OutputSink:
         self._tails: collections.OrderedDict[str, collections.deque[str]] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
+        # Set when a worker's output reaches its end, which is when the process (or its ssh)
+        # exits: the driver's tick waits on it and polls exits at once (a crash is then seen
+        # without waiting out the rest of a tick).
+        self.stream_ended = threading.Event()
 
     def set_ranks(self, members: Sequence[Member]) -> None:
         """The ranks of a newly published round (protocol.Member)."""
@@ -243,6 +247,7 @@ class OutputSink:
         finally:
             if file is not None:
                 file.close()
+            self.stream_ended.set()
 
 
 class WorkerProcess:
