@@ -205,3 +205,17 @@ def test_work_without_a_future_is_let_go_once_waited_and_its_waits_reuse_one_thr
         assert out.tolist() == [float(i)] * 4
     assert tracked.pending() == 0 and tracked.drained()
     assert waiting.blocker_threads() - threads_before <= 1
+
+
+def test_gloo_waits_of_a_small_round_look_early_and_a_big_rounds_stay_even():
+    from elastic.worker.sliced import FIRST_LOOK_S, WAIT_SLICE_S, first_look_s
+    assert first_look_s(4) == FIRST_LOOK_S < WAIT_SLICE_S
+    assert first_look_s(64) == FIRST_LOOK_S
+    assert first_look_s(65) is None and first_look_s(None) is None
+    # A small round's wait that a member's report ends: looks at +0.02 and +0.06 s.
+    clock, looks = Clock(), []
+    reported = iter([False, True])
+    with pytest.raises(WorkersDepartedError):
+        wait_sliced(lambda: False, lambda: looks.append(round(clock.now, 3)) or next(reported),
+                    10, "allreduce", first_s=first_look_s(4), clock=clock, sleep=clock.sleep)
+    assert looks == [0.02, 0.06]

@@ -23,6 +23,13 @@ from elastic.exceptions import WorkersDepartedError
 
 WAIT_SLICE_S = 0.1
 DEFAULT_TIMEOUT_S = 600.0
+# In a small round a wait on gloo work first looks at the abort after FIRST_LOOK_S and
+# doubles up to WAIT_SLICE_S: a survivor blocked on another survivor learns of a crash
+# (a member's failure report, rounds.round_aborted) at +0.02/+0.06 s of its wait, not
+# +0.1 s (docs/benchmarks.md, "Pauses between hosts"). Two or three more looks per long
+# wait; in a big round, where they would add up on the store, slices stay even.
+FIRST_LOOK_S = 0.02
+FIRST_LOOKS_MAX_SIZE = 64
 
 
 class AbortWatch(Protocol):
@@ -75,6 +82,12 @@ def _abandon(on_abandon: Callable[[], None] | None, message: str) -> None:
     if on_abandon is not None:
         on_abandon()
     raise WorkersDepartedError(message)
+
+
+def first_look_s(size: int | None) -> float | None:
+    """``wait_sliced``'s ``first_s`` for a wait on gloo work in a round of ``size``
+    (None outside a round): short first looks in a small round only."""
+    return FIRST_LOOK_S if size is not None and 0 < size <= FIRST_LOOKS_MAX_SIZE else None
 
 
 def watched(watch: AbortWatch | None) -> tuple[Callable[[], bool], float, str]:

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.exceptions import WorkersDepartedError
-from elastic.worker.sliced import DEFAULT_TIMEOUT_S, WAIT_SLICE_S, AbortWatch, wait_sliced, watched
+from elastic.worker.sliced import (
+    DEFAULT_TIMEOUT_S,
+    WAIT_SLICE_S,
+    AbortWatch,
+    first_look_s,
+    wait_sliced,
+    watched,
+)
 
 if TYPE_CHECKING:
     from elastic.worker.liveness import Progress
@@ -121,7 +128,9 @@ def _wait(work: Any, what: str, w: RoundWaits | None) -> None:
                 waited.append(True)
                 done.set()
             _blockers.run(block)
-        wait_sliced(done.is_set, aborted, deadline_s, what, sleep=done.wait, aborted_why=why)
+        membership = getattr(w, "membership", None)      # a fake round may have none
+        wait_sliced(done.is_set, aborted, deadline_s, what, sleep=done.wait, aborted_why=why,
+                    first_s=first_look_s(membership.size if membership is not None else None))
     try:
         if error:
             raise error[0]
