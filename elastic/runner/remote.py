@@ -148,6 +148,7 @@ def _watch_stdin(child: subprocess.Popen[bytes], fd: int = 0) -> None:
 
 def _fail(message: str) -> int:
     sys.stderr.write(f"elasticrun remote ({os.uname().nodename}): {message}\n")
+    sys.stdout.flush()
     sys.stderr.flush()
     return BOOTSTRAP_FAILED
 
@@ -184,4 +185,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The worker is gone: its exit is what the driver waits on (through ssh), so skip the
+    # interpreter's teardown (tens of ms on a loaded host, docs/benchmarks.md "Pauses
+    # between hosts"). Nothing here is left to clean up: no files, no non-daemon threads.
+    os._exit(status)
