@@ -211,3 +211,11 @@ def run_script(script, args=(), timeout=240, env=None):
             raise RuntimeError(f"{Path(script).name} failed:\n{proc.stdout[-3000:]}")
         with open(os.path.join(out, "result.0.json")) as f:
             return json.load(f)
+
+
+def print_rows(got, notes):
+    """A bench module run alone (``python benchmarks/x.py``): its rows, then its notes."""
+    for r in got:
+        print(" | ".join(r))
+    for n in notes:
+        print("-", n)

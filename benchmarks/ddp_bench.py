@@ -147,7 +147,4 @@ def rows(quick=False, pause=True):
 if __name__ == "__main__":
     got, notes = rows(quick=os.environ.get("BENCH_QUICK") == "1",
                       pause=os.environ.get("BENCH_DDP_PAUSE", "1") == "1")
-    for r in got:
-        print(" | ".join(r))
-    for n in notes:
-        print("-", n)
+    common.print_rows(got, notes)

@@ -29,12 +29,15 @@ from elastic.worker import runtime  # noqa: E402
 WIDTH, DEPTH = 1024, 4
 
 
-def build(mesh, width=WIDTH):
-    """The FSDP2 MLP of both fsdp rows (DEPTH x Linear(width, width)) and its AdamW."""
+def build(mesh, width=WIDTH, frozen=0):
+    """The FSDP2 MLP of the fsdp rows (DEPTH x Linear(width, width), the first ``frozen``
+    of them without gradients) and its AdamW."""
     torch.manual_seed(0)
     layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    for i in range(DEPTH):
+        linear = torch.nn.Linear(width, width)
+        linear.requires_grad_(i >= frozen)
+        layers += [linear, torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

@@ -78,7 +78,4 @@ def rows(quick=False):
 
 if __name__ == "__main__":
     got, notes = rows(quick=os.environ.get("BENCH_QUICK") == "1")
-    for r in got:
-        print(" | ".join(r))
-    for n in notes:
-        print("-", n)
+    common.print_rows(got, notes)

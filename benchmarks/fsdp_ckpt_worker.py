@@ -21,10 +21,12 @@ import sys
 import time
 
 import torch
-from torch.distributed.fsdp import fully_shard
 
 import elastic
 from elastic.state import shard_files
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fsdp_bench  # noqa: E402
 
 ARGS = dict(a.split("=", 1) for a in sys.argv[1:])
 STEPS = int(ARGS.get("steps", "16"))
@@ -35,18 +37,7 @@ WAIT_S = 120
 
 
 def build(mesh):
-    torch.manual_seed(0)
-    layers = []
-    for i in range(DEPTH):
-        linear = torch.nn.Linear(WIDTH, WIDTH)
-        linear.requires_grad_(i >= FROZEN)
-        layers += [linear, torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return fsdp_bench.build(mesh, WIDTH, frozen=FROZEN)
 
 
 def blob_files(root):

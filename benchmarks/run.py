@@ -737,22 +737,23 @@ def bench_fsdp():
                  "throughput against torchrun is section fsdpsteady")
 
 
-@section("fsdpsteady")
-def bench_fsdp_steady():
-    import fsdp_steady
-    got, notes = fsdp_steady.rows(quick=QUICK)
+def add_rows(got, notes):
+    """A bench module's rows and notes (its ``rows()``), into this run's table."""
     for r in got:
         row(*r)
     NOTES.extend(notes)
+
+
+@section("fsdpsteady")
+def bench_fsdp_steady():
+    import fsdp_steady
+    add_rows(*fsdp_steady.rows(quick=QUICK))
 
 
 @section("fsdpckpt")
 def bench_fsdp_ckpt():
     import fsdp_ckpt_bench
-    got, notes = fsdp_ckpt_bench.rows(quick=QUICK)
-    for r in got:
-        row(*r)
-    NOTES.extend(notes)
+    add_rows(*fsdp_ckpt_bench.rows(quick=QUICK))
 
 
 @section("driver restart: joining mode")
@@ -783,37 +784,25 @@ def table():
 @section("ddp")
 def bench_ddp():
     import ddp_bench
-    got, notes = ddp_bench.rows(quick=QUICK)
-    for r in got:
-        row(*r)
-    NOTES.extend(notes)
+    add_rows(*ddp_bench.rows(quick=QUICK))
 
 
 @section("sync pause: the survivors' span, 120 MB to one newcomer")
 def bench_sync_pause():
     import sync_pause_bench
-    got, notes = sync_pause_bench.rows(Job, quick=QUICK)
-    for r in got:
-        row(*r)
-    NOTES.extend(notes)
+    add_rows(*sync_pause_bench.rows(Job, quick=QUICK))
 
 
 @section("goodput under churn: a random worker SIGKILLed every 10 s")
 def bench_churn():
     import churn_bench
-    got, notes = churn_bench.rows(Job, quick=QUICK)
-    for r in got:
-        row(*r)
-    NOTES.extend(notes)
+    add_rows(*churn_bench.rows(Job, quick=QUICK))
 
 
 @section("goodput under churn: mixed faults every 10 s")
 def bench_churn_mixed():
     import churn_bench
-    got, notes = churn_bench.rows(Job, quick=QUICK, mixed=True)
-    for r in got:
-        row(*r)
-    NOTES.extend(notes)
+    add_rows(*churn_bench.rows(Job, quick=QUICK, mixed=True))
 
 
 def main():
