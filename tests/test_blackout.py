@@ -91,3 +91,27 @@ def test_a_worker_that_got_sigterm_is_not_watched():
     actions = world.tick(112.0, liveness=True)
     assert _kinds(actions)[:1] == ["NetworkQuiet"], actions
     assert not any(isinstance(a, Evict) and a.worker_id in ("0", "1") for a in actions)
+
+
+def test_a_short_worker_timeout_still_evicts_one_silent_worker_and_sees_a_real_blackout():
+    """--worker-timeout 1.5: workers beat every 0.15 s, so live workers' last beats are
+    always within a fraction of a second of each other. One SIGSTOPped worker must be
+    evicted, and everyone silent at once must still read as the driver's network."""
+    limits = Limits(np=2, min_np=1, worker_timeout=1.5)
+    world = World({"a": 1, "b": 1}, limits)
+    world.running()
+    t = 100.0
+    world.ready(at=t)
+    for _ in range(20):                       # worker 1 stops at 100; worker 0 beats on
+        t += 0.15
+        world.ready("0", at=t)
+        actions = world.tick(t, liveness=True)
+        assert not any(isinstance(a, NetworkQuiet) for a in actions), (t, actions)
+        if Evict("1", "b") in actions:
+            break
+    assert Evict("1", "b") in actions and t < 100.0 + 2 * 1.5, (t, actions)
+    blackout = World({"a": 1, "b": 1}, limits)
+    blackout.running()
+    _silence(blackout, at=200.0)
+    actions = blackout.tick(201.4, liveness=True)            # past the timeout for both
+    assert [type(a) for a in actions] == [NetworkQuiet], actions

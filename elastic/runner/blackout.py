@@ -22,9 +22,12 @@ NETWORK_WAIT_S = 90.0     # the longest the driver waits for its network before 
 
 
 def at_once_s(worker_timeout: float) -> float:
-    """Beats that stopped within this many seconds of each other stopped at once
-    (beats come every second, the driver reads them every half second)."""
-    return max(2.0, min(10.0, worker_timeout / 3))
+    """Beats that stopped within this many seconds of each other stopped at once (beats
+    come every second, or every tenth of a shorter --worker-timeout; the driver reads
+    them every half second). Always under a third of the timeout: a wider window would
+    call live workers' last beats, always that close, a blackout at any silence, and
+    hold every eviction (a SIGSTOPped worker under --worker-timeout 1.5 was never evicted)."""
+    return min(max(2.0, min(10.0, worker_timeout / 3)), worker_timeout / 3)
 
 
 def watched(workers: Iterable[WorkerView]) -> list[WorkerView]:
