@@ -170,7 +170,7 @@ def analyse(steps, starts, first, t0, t1, ready=None, hangs=()):
             parts["rolled back"] += redo * med
         if b["round"] != a["round"]:
             changes += 1
-            held = any(a["t"] <= h < b["t"] for h in hangs)
+            held = any(a["t"] - 0.1 <= h < b["t"] for h in hangs)   # fault times: 0.1 s
             parts["detection" if held else "pauses"] += excess
         elif any(s < b["t"] and a["t"] < e for s, e in spawns):
             parts["respawn CPU"] += excess
