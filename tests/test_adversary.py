@@ -81,7 +81,10 @@ def test_an_outsider_cannot_end_stall_steer_or_join_the_job(tmp_path):
         latest1 = wait_valid(o, ns + "round/latest", job, "round/latest healed")
         plan1 = wait_valid(o, ns + "round/1/plan", job, "round 1's plan healed")
         members1 = control.decode_ids(o.payload(ns + "round/1/plan")["ids"])
-        ready0 = wait_valid(o, ns + f"worker/{members1[0]}/ready", job, "a ready key healed")
+        # A real worker's sealed value to replay under other keys: its heartbeat, which it
+        # seals again at every beat. (Its ready key is healed only while it waits for a
+        # round: the vandal may first see it after the worker joined round 1.)
+        sealed0 = wait_valid(o, ns + f"worker/{members1[0]}/heartbeat", job, "a heartbeat healed")
         o.forgeries(ns + "round/1/abort", replay_from=latest1)
         o.set(ns + "round/latest", b"garbage", "garbage")
         o.set(ns + "round/1/plan", b"garbage", "garbage")
@@ -91,9 +94,9 @@ def test_an_outsider_cannot_end_stall_steer_or_join_the_job(tmp_path):
         o.bump(ns + "round/1/failures", "counter bump")
         # A fake worker registers (with a real worker's sealed value, and with garbage), as
         # does the next real worker before it started (its id is easy to guess).
-        o.set(ns + "worker/666/ready", ready0, "replayed value of another key")
+        o.set(ns + "worker/666/ready", sealed0, "replayed value of another key")
         o.set(ns + "worker/666/heartbeat", b"1", "garbage")
-        o.set(ns + "worker/2/ready", ready0, "replayed value of another key")
+        o.set(ns + "worker/2/ready", sealed0, "replayed value of another key")
         # Round 2 is prepared for: a forged abort, joins, plan, and fake peer addresses.
         o.forgeries(ns + "round/2/abort", replay_from=plan1)
         o.set(ns + "round/2/plan", plan1, "replayed value of another key")
