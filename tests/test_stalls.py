@@ -224,6 +224,8 @@ def test_beats_and_reads_slow_down_in_a_big_job_but_stay_within_a_tenth_of_the_t
     assert heartbeat_interval(4096, 30) == 2.0 and heartbeat_read_interval(4096, 30) == 3.0
     assert heartbeat_interval(4096, 6) == 0.6 and heartbeat_read_interval(4096, 6) == 0.6
     assert heartbeat_interval(4, 1.5) == 0.15        # ten beats in the shortest timeout too
+    # ... and read as often: a half-second read would add a third of it to every hang.
+    assert heartbeat_read_interval(4, 1.5) == 0.15 and heartbeat_read_interval(4, 4) == 0.4
     assert heartbeat_interval(100_000, 120) == 12.0
 
 

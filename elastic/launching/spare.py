@@ -12,11 +12,9 @@ would. It is the same process from then on: the driver's handle, exit code, sign
 output pipes are those of an ordinary worker. End of input (the driver dropped it, or
 died) ends the spare quietly.
 
-Its imports would take CPU from the workers training beside it, so where the process
-may come back to normal priority (root, or ``RLIMIT_NICE`` ≥ 20: sched(7)) the spare
-waits at ``SCHED_IDLE``: it gets only CPU nothing else wants. A thread watching stdin
-puts every thread back to ``SCHED_OTHER`` the moment the spec arrives, before the
-worker runs; elsewhere the spare imports at normal priority.
+The driver starts it at ``SCHED_IDLE`` where it can undo that, and puts it back to
+``SCHED_OTHER`` before it sends the spec (runner/spares.py): its imports take only CPU
+the training leaves idle.
 
 Importing is all the spare does before it becomes a worker. elastic's modules read the
 environment when they are called, never at import (tests/test_warm_spare.py checks it), so
@@ -26,9 +24,7 @@ importing them early changes nothing the worker sees.
 import json
 import os
 import runpy
-import select
 import sys
-import threading
 
 # Imported ahead of need; each is what a replacement would otherwise import after the
 # crash (torch._dynamo: the optimizer's first step pulls it in).
@@ -43,45 +39,6 @@ def preload(names: tuple[str, ...] = PRELOAD) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker imports it again and sees the error
             pass
-
-
-def may_return_from_idle() -> bool:
-    """Whether this process may leave SCHED_IDLE again (an unprivileged one needs
-    RLIMIT_NICE >= 20 to return to SCHED_OTHER at nice 0)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    if os.geteuid() == 0:
-        return True
-    import resource
-    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-    return soft == resource.RLIM_INFINITY or soft >= 20
-
-
-def normal_priority() -> None:
-    """Every thread of this process back to SCHED_OTHER."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            pass                 # a thread that just ended
-
-
-def idle_until_needed(stdin_fd: int = 0) -> bool:
-    """Run at SCHED_IDLE until ``stdin_fd`` is readable (the spec, or the end of input),
-    then at normal priority; False, changing nothing, where that could not be undone."""
-    if not may_return_from_idle():
-        return False
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        return False
-
-    def watch() -> None:
-        select.select([stdin_fd], [], [])
-        normal_priority()
-
-    threading.Thread(target=watch, daemon=True, name="elastic-spare-wake").start()
-    return True
 
 
 def become(spec: dict) -> None:
@@ -100,13 +57,10 @@ def become(spec: dict) -> None:
 def main() -> int:
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)          # run by path: this folder's modules must not shadow others
-    idle = idle_until_needed()
     preload()
     line = sys.stdin.readline()
     if not line.strip():
         return 0                                   # dropped before it was needed
-    if idle:
-        normal_priority()       # the watcher does it too; the worker must not start idle
     become(json.loads(line))
     return 0
 

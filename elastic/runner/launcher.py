@@ -296,11 +296,11 @@ def adopt_local(worker_id: str, host: str, popen: subprocess.Popen,
     return WorkerProcess(worker_id, host, popen, pumps)
 
 
-def start_spare(python: str, script: str, env: Mapping[str, str]) -> subprocess.Popen:
+def start_spare(command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
     """A warm spare (runner/spares.py): like a local worker, but its stdin is a pipe that
     will carry the spec of the worker it becomes."""
     return subprocess.Popen(
-        _die_with_parent([python, script]), env=env, stdin=subprocess.PIPE,
+        _die_with_parent(command), env=env, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )
 

@@ -6,6 +6,11 @@ one on its host), starts it once a round runs (never while the first workers sta
 and hands it the next worker to start there: the replacement after a crash skips the
 imports. A command that is not ``PYTHON [-u] SCRIPT.py ARGS`` with an
 existing script gets no spare; its workers start as they always do.
+
+Its imports would take CPU from the workers training beside it, so where that can be
+undone (runner/priority.py) the spare starts at ``SCHED_IDLE``: it gets only CPU nothing
+else wants. ``take`` puts every thread of it back to ``SCHED_OTHER`` before it sends the
+spec, so the worker never runs idle.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from elastic.runner import launcher
+from elastic.runner.priority import idle_command, may_return_from_idle, normal_priority
 
 SPARE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             "launching", "spare.py")
@@ -62,7 +68,9 @@ class Spares:
         if self._argv is None or self._env is None or self._spare is not None:
             return False
         try:
-            self._spare = launcher.start_spare(self._argv[0], SPARE_SCRIPT, self._env)
+            command = [self._argv[0], SPARE_SCRIPT]
+            self._spare = launcher.start_spare(
+                idle_command(command) if may_return_from_idle() else command, self._env)
         except OSError:
             self._env = None                      # it would fail again: workers start as before
             return False
@@ -77,6 +85,7 @@ class Spares:
         try:
             if popen.poll() is not None or popen.stdin is None:
                 raise OSError("the spare is gone")
+            normal_priority(popen.pid)
             popen.stdin.write((json.dumps({"env": dict(env), "argv": self._argv[1]})
                                + "\n").encode())
             popen.stdin.close()

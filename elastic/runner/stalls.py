@@ -133,9 +133,11 @@ def heartbeat_interval(workers: int, worker_timeout: float, base: float = BEAT_S
 def heartbeat_read_interval(workers: int, worker_timeout: float) -> float:
     """Seconds between the driver's reads of every beat: READ_BEATS_S, slower in a big
     job (each read verifies n seals: 4 s at 4,096 workers), at most a tenth of
-    --worker-timeout (exits are seen within exit_poll_interval)."""
-    return min(max(READ_BEATS_S, workers / VERIFIED_PER_S),
-               max(READ_BEATS_S, worker_timeout / 10))
+    --worker-timeout (exits are seen within exit_poll_interval). Under a timeout below
+    5 s the beats are read as often as they are written: a read every half second would
+    add up to a third of a 1.5 s timeout to every hang's detection."""
+    least = min(READ_BEATS_S, worker_timeout / 10)
+    return min(max(least, workers / VERIFIED_PER_S), max(least, worker_timeout / 10))
 
 
 def exit_poll_interval(workers: int, tick: float) -> float:
