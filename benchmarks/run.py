@@ -28,6 +28,8 @@ Sections (worker scripts in this folder):
             their first step after the change vs their median step
   churn     churn_bench.py: goodput while a random worker is SIGKILLed every 10 s for 90 s
   churnmix  churn_bench.py: the same with mixed faults (SIGTERM, SIGSTOP, stuck, hosts)
+  spawn     spawn_bench.py: training steps' slowdown beside a newcomer's imports, started
+            in the background (SCHED_IDLE) vs at normal priority
   fsdp      fsdp_bench.py: ShardedState (FSDP2) on 4 workers: bytes held per rank, commit
             with vs without redundancy, a 3 -> 4 reshard vs bytes moved / link bandwidth
   fsdpsteady  fsdp_steady.py: the same FSDP2 script with ShardedState under elasticrun vs
@@ -805,6 +807,12 @@ def bench_churn_mixed():
     add_rows(*churn_bench.rows(Job, quick=QUICK, mixed=True))
 
 
+@section("a newcomer's set-up beside training")
+def bench_spawn():
+    import spawn_bench
+    add_rows(*spawn_bench.rows(quick=QUICK))
+
+
 def main():
     import torch
     only = set(filter(None, os.environ.get("BENCH_ONLY", "").split(",")))
@@ -817,7 +825,7 @@ def main():
                      ("fsdpsteady", bench_fsdp_steady), ("fsdpckpt", bench_fsdp_ckpt),
                      ("driverrestart", bench_driver_restart), ("syncpause", bench_sync_pause),
                      ("churn", bench_churn),
-                     ("churnmix", bench_churn_mixed)):
+                     ("churnmix", bench_churn_mixed), ("spawn", bench_spawn)):
         if not only or name in only:
             fn()
     recovery_rows()

@@ -1,5 +1,5 @@
-"""elasticrun --warm-spare: a started python on the driver's machine becomes the next local worker
-(elastic/runner/spares.py, elastic/launching/spare.py)."""
+"""elasticrun --warm-spare: a started python on the driver's machine, torch imported, forks
+each later local worker (elastic/runner/spares.py, elastic/launching/spare.py)."""
 
 import ast
 import os
@@ -24,7 +24,7 @@ def started():
 
 def spare_processes():
     """{pid: parent pid} of live processes running launching/spare.py (warm spares, or
-    the workers they became)."""
+    the workers they forked)."""
     found = {}
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -106,33 +106,46 @@ def test_no_elastic_module_reads_the_environment_at_import():
     assert found == []
 
 
-def test_a_crashed_worker_is_replaced_by_the_warm_spare_and_nothing_is_lost(tmp_path, started):
-    job = Job(tmp_path, ["-np", "2", "--max-np", "2", "--warm-spare"],
+FORKED = re.compile(r"worker (\S+) on (\S+): the warm spare forks it")
+
+
+def test_crashed_workers_are_forked_by_the_warm_spare_and_nothing_is_lost(tmp_path, started):
+    job = Job(tmp_path, ["-np", "2", "--max-np", "2", "--warm-spare",
+                         "--blacklist-cooldown-range", "1", "2"],
               hosts=["localhost:1", "127.0.0.1:1", "127.0.0.2:1"], env={"JOB_HOLD": "3"}).start()
     started.append(job)
     job.wait_step(3, size=2)
-    job.wait_for(lambda: spares_of(job.out), "a warm spare")
-    (spare,) = spares_of(job.out)
+    driver = job.proc.pid
+    job.wait_for(lambda: children_running_the_spare(driver), "a warm spare")
+    (spare,) = children_running_the_spare(driver)
+    assert spares_of(job.out) == [spare]
     env = environ(spare)
     assert not [k for k in env if k.startswith("ELASTIC_")], env    # no id, rank or key
-    if os.geteuid() == 0:           # it may come back from SCHED_IDLE: it waits there
+    if os.geteuid() == 0:     # it may come back from SCHED_IDLE: it imports there, then sleeps
         job.wait_for(lambda: policies(spare) == {os.SCHED_IDLE}, "the spare at SCHED_IDLE")
+        job.wait_for(lambda: policies(spare) == {os.SCHED_OTHER}, "the ready spare put back")
     victim = next(pid for pid, e in job_workers(job.out).items()
                   if e["ELASTIC_HOSTNAME"] == "localhost")
     os.kill(victim, signal.SIGKILL)
-    job.wait_for(lambda: f"a warm spare became it (pid {spare})" in job.output(),
-                 "the spare to become the replacement")
-    job.wait_for(lambda: policies(spare) == {os.SCHED_OTHER},   # the worker it became is not idle
-                 "the worker the spare became at SCHED_OTHER")
+    job.wait_for(lambda: FORKED.search(job.output()), "the spare to fork the replacement")
+    wid, host = FORKED.search(job.output()).groups()
+    job.wait_for(lambda: any(r["worker"] == wid for r in job.steps()), "the forked worker trains")
+    (pid,) = children_running_the_spare(spare)                 # the spare's child
+    assert policies(pid) == {os.SCHED_OTHER}                   # a worker never runs idle
+    # Its exit code comes through the spare: a SIGKILL reads as -9, and the spare forks
+    # the next replacement too.
+    os.kill(pid, signal.SIGKILL)
+    job.wait_for(lambda: f"worker {wid} on {host} exited with code -9" in job.output(),
+                 "the forked worker's exit code")
+    job.wait_for(lambda: len(FORKED.findall(job.output())) == 2, "a second fork")
     job.release(3)
     job.assert_ok(job.finish(), final_size=2)
-    out = job.output()
-    (wid,) = re.findall(r"worker (\S+) on 127.0.0.2: a warm spare became it", out)
-    assert any(r["worker"] == wid for r in job.steps())   # the spare trained as that worker
+    second = FORKED.findall(job.output())[1][0]
+    assert any(r["worker"] == second for r in job.steps())
     deadline = time.monotonic() + 30
     while spares_of(job.out) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert spares_of(job.out) == []                      # the next spare went with the job
+    assert spares_of(job.out) == []                      # the spare went with the job
 
 
 def children_running_the_spare(parent):
@@ -151,8 +164,9 @@ def test_a_joining_agent_keeps_a_spare_for_its_host(join_job):
     (victim,) = [pid for pid, e in job_workers(job.out).items()
                  if e["ELASTIC_HOSTNAME"] == "node-a"]
     os.kill(victim, signal.SIGKILL)
-    job.wait_for(lambda: f"a warm spare became it (pid {spare})" in job.agent_output("node-a"),
-                 "node-a's spare to become the replacement after the cooldown")
+    job.wait_for(lambda: "the warm spare forks it" in job.agent_output("node-a"),
+                 "node-a's spare to fork the replacement after the cooldown")
+    job.wait_for(lambda: children_running_the_spare(spare), "the worker the spare forked")
     job.release(3)
     job.wait_for(lambda: re.search(r"round \d+: 2 workers \(\+1 on node-a\)", job.output()),
                  "the replacement to join")

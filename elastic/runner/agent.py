@@ -200,6 +200,8 @@ class Agent:
                 if finished is not None:
                     return self._finish(finished)
                 self._take_requests()
+                if self.spares is not None:
+                    self.spares.read()      # before the reap: a forked worker's exit code
                 self._reap()
                 self._report()
                 self._refill_spare(now)
@@ -375,7 +377,7 @@ class Agent:
         if self.spares is not None:
             self.spares.note_worker(env)
         if spare is not None:
-            log.info("worker %s: a warm spare became it (pid %d)", worker_id, spare.pid)
+            log.info("worker %s: the warm spare forks it", worker_id)
             self.workers[worker_id] = launcher.adopt_local(worker_id, self.cfg.host_name, spare,
                                                            self.sink)
             return

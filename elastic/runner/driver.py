@@ -176,15 +176,16 @@ class Driver:
                     self._settled_at = None          # steered: decide looks again
                 self.plane.heal(now)
                 if self.spares is not None:
+                    self.spares.read()
                     self._refill_spares(now)
                 self._sleep_tick()
         finally:
             background.stop(timeout=1.0)
-            if self.spares is not None:
-                self.spares.close()
             self.reporter.flush()
             self.watch.close()
             self._stop_all()
+            if self.spares is not None:
+                self.spares.close()      # after its workers: they die with it
             if self.cfg.backend is not None:
                 self.cfg.backend.close(0 if self.job.final_round is not None else 1)
             self.plane.close()
@@ -489,7 +490,7 @@ class Driver:
             if self.spares is not None:
                 self.spares.note_worker(env)
             if spare is not None:
-                log.info("worker %s on %s: a warm spare became it (pid %d)", wid, host, spare.pid)
+                log.info("worker %s on %s: the warm spare forks it", wid, host)
                 self.events.emit("warm_spare_used", worker=wid, host=host)
                 return launcher.adopt_local(wid, host, spare, self.sink)
             idle = self.background.wanted(self.workers, self.cfg.min_np)

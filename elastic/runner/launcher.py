@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol
 
 from elastic import protocol
 from elastic.runner import remote
@@ -250,10 +250,21 @@ class OutputSink:
             self.stream_ended.set()
 
 
+class LocalProcess(Protocol):
+    """What a worker's handle needs of its process: a ``subprocess.Popen``, or a worker a
+    warm spare forked (runner/spares.py ``ForkedWorker``)."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+
 class WorkerProcess:
     """A started worker and the means to stop it."""
 
-    def __init__(self, worker_id: str, host: str, popen: subprocess.Popen[bytes],
+    def __init__(self, worker_id: str, host: str, popen: LocalProcess,
                  pumps: list[threading.Thread]) -> None:
         self.worker_id = worker_id
         self.host = host
@@ -264,6 +275,10 @@ class WorkerProcess:
         return self.popen.poll()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        forked = getattr(self.popen, "signal_group", None)   # a spare's, maybe not forked yet
+        if forked is not None:
+            forked(sig)
+            return
         try:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -287,21 +302,21 @@ def start_local(worker_id: str, host: str, command: Sequence[str], env: Mapping[
     return adopt_local(worker_id, host, popen, sink)
 
 
-def adopt_local(worker_id: str, host: str, popen: subprocess.Popen,
+def adopt_local(worker_id: str, host: str, popen: LocalProcess,
                 sink: OutputSink) -> WorkerProcess:
-    """A local process already started (a warm spare that became a worker) as a worker."""
+    """A local process already started (one a warm spare forked) as a worker."""
     assert popen.stdout is not None and popen.stderr is not None    # PIPEs, as asked
     pumps = [sink.attach(worker_id, popen.stdout, "stdout"),
              sink.attach(worker_id, popen.stderr, "stderr")]
     return WorkerProcess(worker_id, host, popen, pumps)
 
 
-def start_spare(command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
-    """A warm spare (runner/spares.py): like a local worker, but its stdin is a pipe that
-    will carry the spec of the worker it becomes."""
+def start_spare(command: Sequence[str], env: Mapping[str, str], stdin: int) -> subprocess.Popen:
+    """A warm spare (runner/spares.py): its stdin is ``stdin`` (its end of the socket that
+    carries the specs of the workers it forks); what it says itself goes to our stderr."""
     return subprocess.Popen(
-        _die_with_parent(command), env=env, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        _die_with_parent(command), env=env, stdin=stdin, stdout=subprocess.DEVNULL,
+        start_new_session=True,
     )
 
 
@@ -390,6 +405,7 @@ class SshWorkerProcess(WorkerProcess):
     def __init__(self, worker_id: str, host: str, popen: subprocess.Popen[bytes],
                  pumps: list[threading.Thread], tail: list[str]) -> None:
         super().__init__(worker_id, host, popen, pumps)
+        self.ssh = popen
         self._tail = tail
         self._code: int | None = None
 
@@ -399,8 +415,8 @@ class SshWorkerProcess(WorkerProcess):
             if self._code is None:
                 return None
             try:
-                if self.popen.stdin is not None:      # (stdin=PIPE: always)
-                    self.popen.stdin.close()
+                if self.ssh.stdin is not None:      # (stdin=PIPE: always)
+                    self.ssh.stdin.close()
             except (OSError, ValueError):
                 pass
         return self._code
