@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from support.jobs import Job, kill_leftover_jobs
-from support.procs import job_workers
+from support.procs import job_workers, policies
 
 from elastic.runner.background_start import IDLE_AT_MOST_S, restore_due, start_in_background
 from elastic.runner.priority import may_return_from_idle
@@ -25,16 +25,6 @@ def test_an_idle_newcomer_is_put_back_when_ready_needed_or_late():
     assert restore_due(1.0, ready=True, ready_others=2, min_np=2)
     assert restore_due(1.0, ready=False, ready_others=1, min_np=2)   # a peer died meanwhile
     assert restore_due(IDLE_AT_MOST_S, ready=False, ready_others=2, min_np=2)
-
-
-def policies(pid):
-    found = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            found.add(os.sched_getscheduler(int(tid)))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from support.jobs import REPO, Job, kill_leftover_jobs
-from support.procs import environ, job_workers
+from support.procs import environ, job_workers, policies
 
 from elastic.runner.spares import spare_argv
 
@@ -34,17 +34,6 @@ def spare_processes():
                 with open(f"/proc/{name}/stat") as f:
                     found[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def policies(pid):
-    """The scheduling policies of ``pid``'s threads."""
-    found = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            found.add(os.sched_getscheduler(int(tid)))
-        except OSError:
             continue
     return found
 

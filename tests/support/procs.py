@@ -28,6 +28,17 @@ def alive(pid):
     return state(pid) is not None
 
 
+def policies(pid):
+    """The scheduling policies of ``pid``'s threads."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(os.sched_getscheduler(int(tid)))
+        except OSError:
+            continue
+    return found
+
+
 def cmdline(pid):
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
