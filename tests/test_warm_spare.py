@@ -12,7 +12,8 @@ import pytest
 from support.jobs import REPO, Job, kill_leftover_jobs
 from support.procs import environ, job_workers, policies
 
-from elastic.runner.spares import spare_argv
+from elastic.runner.priority import may_return_from_idle
+from elastic.runner.spares import Spares, spare_argv
 
 
 @pytest.fixture
@@ -95,6 +96,41 @@ def test_no_elastic_module_reads_the_environment_at_import():
     assert found == []
 
 
+def test_the_spare_imports_idle_then_forks_workers_and_reports_their_exit_codes(tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text("import os, sys, time\nprint(os.environ['SAY'], flush=True)\n"
+                      "time.sleep(float(os.environ['SLEEP']))\nsys.exit(int(os.environ['CODE']))\n")
+    spares = Spares([sys.executable, str(script)])
+    spares.note_worker(dict(os.environ, OMP_NUM_THREADS="1", ELASTIC_WORKER_ID="7"))
+    assert spares.refill()
+    try:
+        deadline = time.monotonic() + 60
+        while not children_running_the_spare(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (spare,) = children_running_the_spare(os.getpid())
+        assert "ELASTIC_WORKER_ID" not in environ(spare)
+        # It imports torch for seconds, at SCHED_IDLE where it may come back from it.
+        idle = os.SCHED_IDLE if may_return_from_idle() else os.SCHED_OTHER
+        assert policies(spare) == {idle}
+        # A worker asked of it before it is ready: it imports at full speed, then forks.
+        first = spares.take(dict(os.environ, SAY="first", SLEEP="0", CODE="3"))
+        assert policies(spare) == {os.SCHED_OTHER}
+        assert first.stdout.readline() == b"first\n"
+        assert first.wait(timeout=60) == 3                 # its exit code, from the spare
+        second = spares.take(dict(os.environ, SAY="second", SLEEP="600", CODE="0"))
+        assert second.stdout.readline() == b"second\n"
+        deadline = time.monotonic() + 60
+        while second.poll() is None and not second.pid and time.monotonic() < deadline:
+            time.sleep(0.01)                               # the spare's word on its pid
+        assert spare_processes().get(second.pid) == spare   # forked: the spare's child
+        assert policies(second.pid) == {os.SCHED_OTHER}
+        second.kill()
+        assert second.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        spares.close()
+    assert children_running_the_spare(os.getpid()) == []
+
+
 FORKED = re.compile(r"worker (\S+) on (\S+): the warm spare forks it")
 
 
@@ -110,9 +146,6 @@ def test_crashed_workers_are_forked_by_the_warm_spare_and_nothing_is_lost(tmp_pa
     assert spares_of(job.out) == [spare]
     env = environ(spare)
     assert not [k for k in env if k.startswith("ELASTIC_")], env    # no id, rank or key
-    if os.geteuid() == 0:     # it may come back from SCHED_IDLE: it imports there, then sleeps
-        job.wait_for(lambda: policies(spare) == {os.SCHED_IDLE}, "the spare at SCHED_IDLE")
-        job.wait_for(lambda: policies(spare) == {os.SCHED_OTHER}, "the ready spare put back")
     victim = next(pid for pid, e in job_workers(job.out).items()
                   if e["ELASTIC_HOSTNAME"] == "localhost")
     os.kill(victim, signal.SIGKILL)
