@@ -28,6 +28,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from typing import IO
 
 from elastic import protocol
 from elastic.runner import launcher
@@ -185,8 +186,10 @@ class ForkedWorker:
     an ordinary worker's; a signal sent before its pid is known is sent once it is."""
 
     stdin = None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
 
-    def __init__(self, stdout, stderr, spares: Spares) -> None:
+    def __init__(self, stdout: IO[bytes], stderr: IO[bytes], spares: Spares) -> None:
         self.pid, self.stdout, self.stderr = 0, stdout, stderr
         self.returncode: int | None = None
         self._spares = spares
