@@ -29,7 +29,7 @@ Sections (worker scripts in this folder):
   churn     churn_bench.py: goodput while a random worker is SIGKILLed every 10 s for 90 s
   churnmix  churn_bench.py: the same with mixed faults (SIGTERM, SIGSTOP, stuck, hosts)
   spawn     spawn_bench.py: training steps' slowdown beside a newcomer's imports, started
-            in the background (SCHED_IDLE) vs at normal priority
+            at SCHED_IDLE vs at normal priority
   fsdp      fsdp_bench.py: ShardedState (FSDP2) on 4 workers: bytes held per rank, commit
             with vs without redundancy, a 3 -> 4 reshard vs bytes moved / link bandwidth
   fsdpsteady  fsdp_steady.py: the same FSDP2 script with ShardedState under elasticrun vs

@@ -3,9 +3,10 @@
 Three training processes (a matmul burst, then 20 ms asleep, as the churn job's steps)
 share this machine's cores with a newcomer that imports what a replacement imports
 (torch, torch._dynamo), one import after another. Phases of PHASE_S rotate through: no
-newcomer, a newcomer at normal priority, and one started as the driver starts a
-replacement in the background (runner/priority.py: ``chrt --idle 0``). The row is the
-training steps' slowdown over the quiet phases, background against normal.
+newcomer, a newcomer at normal priority, and one started as the driver starts a warm
+spare (runner/priority.py: ``chrt --idle 0``). The row is the training steps' slowdown
+over the quiet phases, idle against normal: what idle priority leaves of an import's
+cost, which is why the spare forks workers rather than importing again.
 """
 
 import json
@@ -78,7 +79,7 @@ def rows(quick=False):
     means = run(2 if quick else 3)
     metric = ("a newcomer's set-up (import torch, torch._dynamo, back to back) beside 3 "
               "training processes on the 2 cores: their steps' slowdown, the newcomer "
-              "started in the background (SCHED_IDLE, as the driver starts a replacement) "
+              "started at SCHED_IDLE (as the driver starts a warm spare) "
               "vs at normal priority")
     if means is None:
         return [(metric, "skipped: this process may not leave SCHED_IDLE (not root, "

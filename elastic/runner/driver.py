@@ -23,7 +23,6 @@ from elastic.exceptions import ElasticError
 from elastic.protocol import Keys
 from elastic.runner import console, launcher
 from elastic.runner.adoption import Adoption
-from elastic.runner.background_start import BackgroundStarts
 from elastic.runner.control_plane import DriverControl
 from elastic.runner.decisions import (
     Abort,
@@ -54,7 +53,6 @@ from elastic.runner.hosts import HostManager
 from elastic.runner.job_config import JobConfig
 from elastic.runner.outage import CHECKPOINT, FINISHED, GO, LOST, WAIT, decide_outage
 from elastic.runner.policy import can_skip, decide
-from elastic.runner.priority import idle_command
 from elastic.runner.records import Observed, WorkerRecord
 from elastic.runner.spares import Spares
 from elastic.runner.stalls import exit_poll_interval, heartbeat_interval, heartbeat_read_interval
@@ -110,7 +108,6 @@ class Driver:
         self.outage = None         # a serving driver's verdict on its predecessor's absence
         self._away_exits: list[Exit] = []   # workers that failed while no driver read their exit
         self.spares = Spares(config.command) if config.warm_spare else None
-        self.background = BackgroundStarts()
         self._spares_at = 0.0
 
     def request_stop(self, signum: int) -> None:
@@ -154,7 +151,6 @@ class Driver:
                 if serving:
                     self._adopt(now)
                 seen = self._observe(now)
-                self.background.settle(self.workers, self.cfg.min_np, now)   # before a round
                 if serving and self.outage is None and \
                         (code := self._settle_outage(now, seen)) is not None:
                     return code
@@ -493,13 +489,8 @@ class Driver:
                 log.info("worker %s on %s: the warm spare forks it", wid, host)
                 self.events.emit("warm_spare_used", worker=wid, host=host)
                 return launcher.adopt_local(wid, host, spare, self.sink)
-            idle = self.background.wanted(self.workers, self.cfg.min_np)
             try:
-                proc = launcher.start_local(wid, host, idle_command(list(self.cfg.command))
-                                            if idle else self.cfg.command, env, self.sink)
-                if idle:
-                    self.background.started(wid, proc.popen.pid, time.monotonic())
-                return proc
+                return launcher.start_local(wid, host, self.cfg.command, env, self.sink)
             except OSError as exc:
                 raise JobFailed(f"cannot start {self.cfg.command[0]!r}: {exc.strerror}") from None
         store_addr = self.plane.remote_address(host)     # None: per host

@@ -1,6 +1,6 @@
-"""Scheduling priority of the processes the driver starts: ``SCHED_IDLE`` for those whose
-set-up must not take CPU from training (a warm spare, a replacement started in the
-background), and back to ``SCHED_OTHER`` when they are needed.
+"""Scheduling priority of the warm spare the driver starts: ``SCHED_IDLE`` while it
+imports, so its set-up takes only CPU time the training leaves, and back to
+``SCHED_OTHER`` once it has imported or is needed.
 
 The driver starts such a process under ``chrt --idle 0`` and puts every thread of it back
 itself, so the process runs no code of ours for it. Only where that can be undone: a

@@ -26,8 +26,7 @@ End gate: with JOB_END_GATE set, every worker waits after its final line, before
 until $JOB_OUT/end-go exists (a driver killed after training ended, before any exit).
 Soak hooks: a file $JOB_OUT/stuck.<worker> blocks that worker's training thread for
 good; with JOB_END_FILE, the job ends after the epoch during which that file appeared
-(rank 0 decides, so every rank agrees). JOB_POLICY=1: each worker writes the scheduling
-policy it started under to $JOB_OUT/policy.<worker> before it imports anything heavy.
+(rank 0 decides, so every rank agrees).
 """
 
 import inspect
@@ -38,11 +37,6 @@ import subprocess
 import sys
 import threading
 import time
-
-if os.environ.get("JOB_POLICY"):    # the scheduling policy it started under, before imports
-    with open(os.path.join(os.environ["JOB_OUT"],
-                           f"policy.{os.environ['ELASTIC_WORKER_ID']}"), "w") as f:
-        f.write(str(os.sched_getscheduler(0)))
 
 import torch
 from job_helpers import digest, hold, job_device, optimizer_tensors
